@@ -1,0 +1,29 @@
+# Two commands for a newcomer: `make run` and `make test`. Both build .venv on first use
+# from the pinned CPU stack in requirements/ (about 90 s and 2.5 GB).
+PYTHON ?= python3.11
+VENV := .venv
+STAMP := $(VENV)/.installed
+OUT ?= out
+
+.PHONY: run test bench venv clean
+
+$(STAMP): requirements/cpu.txt requirements/dev.txt pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --no-deps -r requirements/cpu.txt -r requirements/dev.txt
+	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	$(VENV)/bin/python -c "import torch, vllm, eplb_graph; print('torch', torch.__version__, '| vllm', vllm.__version__)"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/eplb-graph demo
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q tests
+
+bench: $(STAMP)
+	$(VENV)/bin/python benchmarks/bench_routing_ops.py --out $(OUT)/bench_routing_ops.json
+
+clean:
+	rm -rf $(VENV) $(OUT) build *.egg-info

@@ -1,0 +1,76 @@
+"""Registers the ``eplb_graph`` ops with torch.library on import.
+
+    torch.ops.eplb_graph.map_to_physical(topk_ids, lookup, replica_count) -> physical_ids
+    torch.ops.eplb_graph.record_load(physical_ids, load, record_enabled, num_unpadded_tokens)
+    torch.ops.eplb_graph.map_and_record(topk_ids, lookup, replica_count, load,
+                                        record_enabled, num_unpadded_tokens) -> physical_ids
+
+Kernels per dispatch key:
+  CPU          torch composite (custom_ops/routing.py)
+  CUDA         one Triton launch where Triton is importable, else the torch composite
+  PrivateUse1  torch composite (torch_npu implements the aten ops it uses); torch_npu is
+               never imported here -- the registration is inert until an NPU backend exists
+  Meta/fake    shapes only
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from . import routing
+
+NAMESPACE = "eplb_graph"
+OP_NAMES = ("map_to_physical", "record_load", "map_and_record")
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _register(lib: torch.library.Library) -> None:
+    lib.define(routing.MAP_TO_PHYSICAL_SCHEMA)
+    lib.define(routing.RECORD_LOAD_SCHEMA)
+    lib.define(routing.MAP_AND_RECORD_SCHEMA)
+
+    composite = {
+        "map_to_physical": routing.map_to_physical_kernel,
+        "record_load": routing.record_load_kernel,
+        "map_and_record": routing.map_and_record_kernel,
+    }
+    cuda = dict(composite)
+    if _triton_available():
+        from . import triton_routing
+
+        cuda["map_to_physical"] = triton_routing.map_to_physical_cuda
+        cuda["map_and_record"] = triton_routing.map_and_record_cuda
+
+    for name in OP_NAMES:
+        lib.impl(name, composite[name], "CPU")
+        lib.impl(name, cuda[name], "CUDA")
+        lib.impl(name, composite[name], "PrivateUse1")
+
+    torch.library.register_fake(f"{NAMESPACE}::map_to_physical", routing.map_to_physical_fake, lib=lib)
+    torch.library.register_fake(f"{NAMESPACE}::record_load", routing.record_load_fake, lib=lib)
+    torch.library.register_fake(f"{NAMESPACE}::map_and_record", routing.map_and_record_fake, lib=lib)
+
+
+def _already_registered() -> bool:
+    # A second import under another module name (e.g. an editable and an installed copy)
+    # must not redefine the schemas: torch.library refuses a duplicate definition.
+    return hasattr(torch.ops, NAMESPACE) and hasattr(getattr(torch.ops, NAMESPACE), "map_and_record")
+
+
+# The Library object owns the registrations: they live exactly as long as it does, so it
+# is held for the life of the process, like every torch.library fragment.
+_LIBRARY: torch.library.Library | None = None
+if not _already_registered():
+    _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
+    _register(_LIBRARY)
+
+map_to_physical = torch.ops.eplb_graph.map_to_physical
+record_load = torch.ops.eplb_graph.record_load
+map_and_record = torch.ops.eplb_graph.map_and_record
+
+__all__ = ["map_to_physical", "record_load", "map_and_record", "NAMESPACE", "OP_NAMES"]

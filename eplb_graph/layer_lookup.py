@@ -1,0 +1,184 @@
+"""Per-MoE-layer routing state with stable storage: the tables a captured graph reads.
+
+A ``LayerLookup`` owns three device tensors that compiled and captured graphs hold by
+address -- ``lookup``, ``replica_count`` and ``load`` -- and never replaces them.
+``refresh_`` validates a new placement on the host first and only then copies it into
+the same storage, so an invalid placement is never visible to routing (invariant 3:
+the lookup changes only after a placement commits; the caller commits, then refreshes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def initial_placement(num_logical_experts: int, num_redundant_experts: int) -> torch.Tensor:
+    """[num_physical] int64: every logical expert once, then redundant slots round-robin.
+
+    The same layout as upstream vLLM's ``build_initial_global_physical_to_logical_map``.
+    """
+    if num_logical_experts <= 0:
+        raise ValueError(f"num_logical_experts must be positive, got {num_logical_experts}")
+    if num_redundant_experts < 0:
+        raise ValueError(f"num_redundant_experts must be >= 0, got {num_redundant_experts}")
+    logical = torch.arange(num_logical_experts, dtype=torch.int64)
+    redundant = torch.arange(num_redundant_experts, dtype=torch.int64) % num_logical_experts
+    return torch.cat([logical, redundant])
+
+
+def validate_placement(
+    physical_to_logical: torch.Tensor,
+    num_logical_experts: int,
+    num_physical_experts: int,
+    max_replicas: int,
+) -> torch.Tensor:
+    """Checks a placement and returns it as a CPU int64 tensor [num_physical].
+
+    Raises ValueError naming the first problem found: wrong rank, dtype or length,
+    logical ids out of range, a logical expert with no replica, or more replicas
+    than the lookup has slots for.
+    """
+    if not isinstance(physical_to_logical, torch.Tensor):
+        physical_to_logical = torch.as_tensor(physical_to_logical)
+    if physical_to_logical.dtype.is_floating_point or physical_to_logical.dtype.is_complex:
+        raise ValueError(f"placement must hold integer logical ids, got dtype {physical_to_logical.dtype}")
+    if physical_to_logical.dim() != 1:
+        raise ValueError(f"placement must be 1-D [num_physical], got shape {tuple(physical_to_logical.shape)}")
+    if physical_to_logical.numel() != num_physical_experts:
+        raise ValueError(
+            f"placement has {physical_to_logical.numel()} physical slots, expected {num_physical_experts}"
+        )
+    placement = physical_to_logical.detach().to("cpu", torch.int64)
+    out_of_range = ((placement < 0) | (placement >= num_logical_experts)).nonzero().flatten()
+    if out_of_range.numel():
+        slot = int(out_of_range[0])
+        raise ValueError(
+            f"placement slot {slot} holds logical id {int(placement[slot])}, outside "
+            f"[0, {num_logical_experts}) ({out_of_range.numel()} bad slot(s))"
+        )
+    counts = torch.bincount(placement, minlength=num_logical_experts)  # [num_logical]
+    missing = (counts == 0).nonzero().flatten()
+    if missing.numel():
+        raise ValueError(f"logical experts {missing[:8].tolist()} have no replica in the placement")
+    too_many = (counts > max_replicas).nonzero().flatten()
+    if too_many.numel():
+        expert = int(too_many[0])
+        raise ValueError(
+            f"logical expert {expert} has {int(counts[expert])} replicas, more than "
+            f"max_replicas={max_replicas}"
+        )
+    return placement
+
+
+def build_lookup(
+    placement: torch.Tensor, num_logical_experts: int, max_replicas: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Derives the routing tables from a *validated* CPU placement [num_physical].
+
+    Returns:
+        lookup: [num_logical, max_replicas] int32, physical slots of each logical expert
+            in ascending order (upstream's order), -1 padded.
+        replica_count: [num_logical] int32.
+    """
+    order = torch.argsort(placement, stable=True)  # physical slots grouped by logical id
+    sorted_logical = placement[order]  # [num_physical]
+    counts = torch.bincount(placement, minlength=num_logical_experts)  # [num_logical]
+    group_start = torch.cumsum(counts, 0) - counts  # [num_logical]
+    rank_in_group = torch.arange(placement.numel()) - group_start[sorted_logical]  # [num_physical]
+    lookup = torch.full((num_logical_experts, max_replicas), -1, dtype=torch.int32)
+    lookup[sorted_logical, rank_in_group] = order.to(torch.int32)
+    return lookup, counts.to(torch.int32)
+
+
+class BatchFlags:
+    """The two per-batch device scalars every layer's recording reads.
+
+    Filled between forwards with ``set_``; a captured graph reads their current values
+    (a Python int would be frozen into it). One object is shared by all layers.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.record_enabled = torch.ones((), dtype=torch.bool, device=device)
+        self.num_unpadded_tokens = torch.zeros((), dtype=torch.int64, device=device)
+
+    def set_(self, *, record: bool, num_unpadded_tokens: int) -> None:
+        if num_unpadded_tokens < 0:
+            raise ValueError(f"num_unpadded_tokens must be >= 0, got {num_unpadded_tokens}")
+        self.record_enabled.fill_(bool(record))
+        self.num_unpadded_tokens.fill_(int(num_unpadded_tokens))
+
+
+class LayerLookup:
+    """Routing tables and load buffer of one MoE layer.
+
+    lookup:         [num_logical, max_replicas] int32, -1 padded
+    replica_count:  [num_logical] int32
+    load:           [num_physical] executed tokens per physical expert since last reset
+    physical_to_logical: [num_physical] int64 on the host, the placement now routed by
+
+    ``max_replicas`` defaults to num_redundant + 1, the most one expert can ever have
+    (upstream pads every layer to 1024 slots; a tight table keeps the gather small).
+    """
+
+    def __init__(
+        self,
+        num_logical_experts: int,
+        num_physical_experts: int,
+        *,
+        max_replicas: int | None = None,
+        placement: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+        load_dtype: torch.dtype = torch.int64,
+    ) -> None:
+        num_redundant = num_physical_experts - num_logical_experts
+        if num_logical_experts <= 0 or num_redundant < 0:
+            raise ValueError(
+                f"need 0 < num_logical_experts <= num_physical_experts, got "
+                f"{num_logical_experts} and {num_physical_experts}"
+            )
+        if max_replicas is None:
+            max_replicas = num_redundant + 1
+        if not 1 <= max_replicas:
+            raise ValueError(f"max_replicas must be >= 1, got {max_replicas}")
+        self.num_logical_experts = num_logical_experts
+        self.num_physical_experts = num_physical_experts
+        self.max_replicas = max_replicas
+        self.lookup = torch.full((num_logical_experts, max_replicas), -1, dtype=torch.int32, device=device)
+        self.replica_count = torch.zeros(num_logical_experts, dtype=torch.int32, device=device)
+        self.load = torch.zeros(num_physical_experts, dtype=load_dtype, device=device)
+        self.physical_to_logical = torch.empty(num_physical_experts, dtype=torch.int64)
+        self.refresh_(initial_placement(num_logical_experts, num_redundant) if placement is None else placement)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lookup.device
+
+    def refresh_(self, physical_to_logical: torch.Tensor) -> None:
+        """Routes by a new placement from now on, writing into the existing tensors.
+
+        Validation and table building happen on the host before any live byte changes;
+        on error nothing is modified.
+        """
+        placement = validate_placement(
+            physical_to_logical, self.num_logical_experts, self.num_physical_experts, self.max_replicas
+        )
+        lookup, replica_count = build_lookup(placement, self.num_logical_experts, self.max_replicas)
+        self.lookup.copy_(lookup)
+        self.replica_count.copy_(replica_count)
+        self.physical_to_logical.copy_(placement)
+
+    def reset_load_(self) -> None:
+        self.load.zero_()
+
+    def logical_load(self) -> torch.Tensor:
+        """[num_logical] the recorded load folded back onto logical experts (host)."""
+        load = self.load.detach().to("cpu", torch.int64)
+        return torch.zeros(self.num_logical_experts, dtype=torch.int64).index_add_(
+            0, self.physical_to_logical, load
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"LayerLookup(num_logical={self.num_logical_experts}, num_physical={self.num_physical_experts}, "
+            f"max_replicas={self.max_replicas}, device={self.device})"
+        )
