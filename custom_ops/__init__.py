@@ -4,6 +4,9 @@
     torch.ops.eplb_graph.record_load(physical_ids, load, record_enabled, num_unpadded_tokens)
     torch.ops.eplb_graph.map_and_record(topk_ids, lookup, replica_count, load,
                                         record_enabled, num_unpadded_tokens) -> physical_ids
+    torch.ops.eplb_graph.map_and_record_layer(topk_ids, layer: str) -> physical_ids
+        (what the FX pass inserts: map_and_record on the named layer's live tables,
+         see layer_routing.py)
 
 Kernels per dispatch key:
   CPU          torch composite (custom_ops/routing.py)
@@ -19,10 +22,11 @@ import importlib.util
 
 import torch
 
-from . import routing
+from . import layer_routing, routing
+from .layer_routing import LAYER_TABLES, LayerTableRegistry
 
 NAMESPACE = "eplb_graph"
-OP_NAMES = ("map_to_physical", "record_load", "map_and_record")
+OP_NAMES = ("map_to_physical", "record_load", "map_and_record", "map_and_record_layer")
 
 
 def _triton_available() -> bool:
@@ -46,7 +50,7 @@ def _register(lib: torch.library.Library) -> None:
         cuda["map_to_physical"] = triton_routing.map_to_physical_cuda
         cuda["map_and_record"] = triton_routing.map_and_record_cuda
 
-    for name in OP_NAMES:
+    for name in ("map_to_physical", "record_load", "map_and_record"):
         lib.impl(name, composite[name], "CPU")
         lib.impl(name, cuda[name], "CUDA")
         lib.impl(name, composite[name], "PrivateUse1")
@@ -54,12 +58,13 @@ def _register(lib: torch.library.Library) -> None:
     torch.library.register_fake(f"{NAMESPACE}::map_to_physical", routing.map_to_physical_fake, lib=lib)
     torch.library.register_fake(f"{NAMESPACE}::record_load", routing.record_load_fake, lib=lib)
     torch.library.register_fake(f"{NAMESPACE}::map_and_record", routing.map_and_record_fake, lib=lib)
+    layer_routing.register(lib, cuda_map_and_record=cuda["map_and_record"])
 
 
 def _already_registered() -> bool:
     # A second import under another module name (e.g. an editable and an installed copy)
     # must not redefine the schemas: torch.library refuses a duplicate definition.
-    return hasattr(torch.ops, NAMESPACE) and hasattr(getattr(torch.ops, NAMESPACE), "map_and_record")
+    return hasattr(torch.ops, NAMESPACE) and hasattr(getattr(torch.ops, NAMESPACE), "map_and_record_layer")
 
 
 # The Library object owns the registrations: they live exactly as long as it does, so it
@@ -72,5 +77,15 @@ if not _already_registered():
 map_to_physical = torch.ops.eplb_graph.map_to_physical
 record_load = torch.ops.eplb_graph.record_load
 map_and_record = torch.ops.eplb_graph.map_and_record
+map_and_record_layer = torch.ops.eplb_graph.map_and_record_layer
 
-__all__ = ["map_to_physical", "record_load", "map_and_record", "NAMESPACE", "OP_NAMES"]
+__all__ = [
+    "LAYER_TABLES",
+    "LayerTableRegistry",
+    "NAMESPACE",
+    "OP_NAMES",
+    "map_and_record",
+    "map_and_record_layer",
+    "map_to_physical",
+    "record_load",
+]

@@ -1,0 +1,97 @@
+"""``eplb_graph::map_and_record_layer(Tensor topk_ids, str layer) -> Tensor``: the op the FX pass inserts.
+
+A pass cannot easily add new tensor inputs to a traced graph (a ``get_attr`` of a plain
+tensor breaks fake-tensor propagation, a new placeholder needs Dynamo source metadata),
+so, like vLLM's attention and ``moe_forward`` ops, the inserted op names its layer and
+reads that layer's live tables at run time: lookup, replica count, load buffer and the
+two batch flags. The graph holds a string, never a tensor, so nothing can be copied,
+folded or frozen into it; a refresh in place is seen by the next call or replay.
+
+Recording into the layer's load buffer is a side effect the schema cannot name (the
+buffer is not an argument). That is safe here: the output is always consumed (the
+experts read it), so the node is never dead, and no two routers share ids and key, so
+it is never merged with another.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Protocol
+
+import torch
+
+from . import routing
+
+MAP_AND_RECORD_LAYER_SCHEMA = "map_and_record_layer(Tensor topk_ids, str layer) -> Tensor"
+
+
+class RoutedLayer(Protocol):
+    """What the op needs from a layer: its live tables, in the order of map_and_record."""
+
+    def routing_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(lookup, replica_count, load, record_enabled, num_unpadded_tokens)."""
+        ...
+
+
+class LayerTableRegistry:
+    """Layer key -> live layer, for the one op that reaches tables by name.
+
+    Holds weak references: a layer whose owner (an ``EplbHandle``) is gone disappears,
+    and a graph that still names it fails with a clear error instead of routing by
+    stale tables.
+    """
+
+    def __init__(self) -> None:
+        self._layers: dict[str, weakref.ReferenceType] = {}
+
+    def register(self, key: str, layer: RoutedLayer) -> None:
+        existing = self._layers.get(key)
+        if existing is not None and existing() is not None and existing() is not layer:
+            raise ValueError(f"EPLB layer key {key!r} is already registered to another layer")
+        self._layers[key] = weakref.ref(layer)
+
+    def unregister(self, key: str) -> None:
+        self._layers.pop(key, None)
+
+    def resolve(self, key: str) -> RoutedLayer:
+        ref = self._layers.get(key)
+        layer = ref() if ref is not None else None
+        if layer is None:
+            raise KeyError(
+                f"no live EPLB layer named {key!r}: the graph was compiled for an EplbHandle that no "
+                f"longer exists (known: {sorted(k for k, r in self._layers.items() if r() is not None)[:8]})"
+            )
+        return layer
+
+    def __contains__(self, key: str) -> bool:
+        ref = self._layers.get(key)
+        return ref is not None and ref() is not None
+
+
+# The op implementation must find layers from a string, so the index is process-wide,
+# exactly as the op registrations themselves are.
+LAYER_TABLES = LayerTableRegistry()
+
+
+def _make_kernel(map_and_record_impl):
+    def kernel(topk_ids: torch.Tensor, layer: str) -> torch.Tensor:
+        return map_and_record_impl(topk_ids, *LAYER_TABLES.resolve(layer).routing_tensors())
+
+    return kernel
+
+
+def map_and_record_layer_fake(topk_ids: torch.Tensor, layer: str) -> torch.Tensor:
+    torch._check(topk_ids.dim() == 2, lambda: f"topk_ids must be [T, K], got {tuple(topk_ids.shape)}")
+    torch._check(topk_ids.dtype in (torch.int32, torch.int64), lambda: f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if layer not in LAYER_TABLES:  # fail when the graph is built, not at the first replay
+        LAYER_TABLES.resolve(layer)
+    return torch.empty_like(topk_ids)
+
+
+def register(lib: torch.library.Library, cuda_map_and_record=None) -> None:
+    lib.define(MAP_AND_RECORD_LAYER_SCHEMA)
+    composite = _make_kernel(routing.map_and_record_kernel)
+    lib.impl("map_and_record_layer", composite, "CPU")
+    lib.impl("map_and_record_layer", _make_kernel(cuda_map_and_record or routing.map_and_record_kernel), "CUDA")
+    lib.impl("map_and_record_layer", composite, "PrivateUse1")
+    torch.library.register_fake("eplb_graph::map_and_record_layer", map_and_record_layer_fake, lib=lib)

@@ -1,0 +1,262 @@
+"""``eplb_graph.enable(model)``: graph-mode EPLB for a MoE model, one process.
+
+    handle = eplb_graph.enable(model, num_redundant_experts=4)
+    compiled = torch.compile(model, backend=handle.backend(), fullgraph=True)
+    ...                       # forwards record load per physical expert
+    handle.rearrange()        # upstream policy -> move weights -> refresh lookups in place
+
+``enable`` validates everything before it touches the model, then turns each MoE layer's
+routed-expert weights from logical [num_logical, ...] into physical [num_physical, ...]
+layout (initial placement: every logical expert once, then redundant slots round-robin,
+as upstream's initial map) and creates one ``LayerLookup`` per layer. The compiled graph
+reaches each layer's tables by name through ``map_and_record_layer``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from eplb_graph.adapters import DEFAULT_ADAPTERS, MoEAdapter, MoELayerSpec, find_moe_layers
+from eplb_graph.custom_ops import LAYER_TABLES
+from eplb_graph.layer_lookup import BatchFlags, LayerLookup, initial_placement, validate_placement
+from eplb_graph.passes.inductor_pass import EplbPostGradPass, torchair_backend, vllm_inductor_pass
+from eplb_graph.passes.insert_routing import RoutingPassResult, insert_eplb_routing
+from eplb_graph.passes.router_sites import RouterBinding
+from eplb_graph.passes.verify import VerifierReport, verify
+
+LOAD_PHASES = ("all", "prefill", "decode")
+_handle_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class EplbOptions:
+    num_redundant_experts: int = 0
+    ep_size: int = 1  # physical experts are split evenly over this many ranks
+    load_phase: str = "all"  # which batches record load: all | prefill | decode
+    strict: bool = True  # unattributable router top-k: error (True) or warning
+    verify: bool = True  # run the verifier on every graph the backend compiles
+
+    def validate(self) -> None:
+        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be an int >= 0, got {self.num_redundant_experts!r}")
+        if not isinstance(self.ep_size, int) or self.ep_size < 1:
+            raise ValueError(f"ep_size must be an int >= 1, got {self.ep_size!r}")
+        if self.load_phase not in LOAD_PHASES:
+            raise ValueError(f"unknown load_phase {self.load_phase!r}; expected one of {', '.join(LOAD_PHASES)}")
+
+
+class EplbLayer:
+    """One MoE layer under EPLB: the tensors its routing reads, and its expert weights."""
+
+    def __init__(self, key: str, spec: MoELayerSpec, tables: LayerLookup, flags: BatchFlags) -> None:
+        self.key = key
+        self.spec = spec
+        self.tables = tables
+        self.flags = flags
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def lookup(self) -> torch.Tensor:
+        return self.tables.lookup
+
+    @property
+    def replica_count(self) -> torch.Tensor:
+        return self.tables.replica_count
+
+    @property
+    def load(self) -> torch.Tensor:
+        return self.tables.load
+
+    def routing_tensors(self):
+        t = self.tables
+        return t.lookup, t.replica_count, t.load, self.flags.record_enabled, self.flags.num_unpadded_tokens
+
+    def binding(self) -> RouterBinding:
+        return RouterBinding(self.key, self.spec.router_path, self.spec.num_experts, self.spec.top_k)
+
+    def expert_weights(self) -> list[torch.Tensor]:
+        return [getattr(self.spec.experts, name) for name in self.spec.expert_param_names]
+
+    def __repr__(self) -> str:
+        return f"EplbLayer({self.key!r}, {self.name}, {self.tables})"
+
+
+@dataclass
+class CompiledGraphRecord:
+    """What the backend saw and did, for ``eplb-graph inspect``."""
+
+    graph_before: str
+    graph_after: str
+    result: RoutingPassResult
+    report: VerifierReport | None
+    graph_module: fx.GraphModule = field(repr=False)
+
+
+def _to_physical_layout_(weight: torch.Tensor, placement: torch.Tensor) -> nn.Parameter | torch.Tensor:
+    """[num_logical, ...] -> [num_physical, ...]: slot p holds logical expert placement[p]."""
+    physical = weight.detach()[placement.to(weight.device)].clone()
+    if isinstance(weight, nn.Parameter):
+        return nn.Parameter(physical, requires_grad=weight.requires_grad)
+    return physical
+
+
+class EplbHandle:
+    """EPLB state of one enabled model: layers, batch flags, the pass and its records."""
+
+    def __init__(self, model: nn.Module, layers: list[EplbLayer], flags: BatchFlags, options: EplbOptions) -> None:
+        self.model = model
+        self.layers = layers
+        self.flags = flags
+        self.options = options
+        self.compiled_graphs: list[CompiledGraphRecord] = []
+        self.rearrangements = 0
+
+    # -- the pass, in every form a compiler wants ----------------------------------------
+
+    def bindings(self) -> list[RouterBinding]:
+        return [layer.binding() for layer in self.layers]
+
+    def layer(self, key: str) -> EplbLayer:
+        return next(layer for layer in self.layers if layer.key == key)
+
+    def run_pass(self, graph_module: fx.GraphModule) -> CompiledGraphRecord:
+        """Inserts routing into a Dynamo graph module in place and verifies it."""
+        before = graph_module.print_readable(print_output=False)
+        result = insert_eplb_routing(graph_module.graph, self.bindings(), strict=self.options.strict)
+        graph_module.recompile()
+        report = None
+        if self.options.verify:
+            report = verify(graph_module, self.bindings(), live_tables=self.layer, strict=self.options.strict)
+        record = CompiledGraphRecord(before, graph_module.print_readable(print_output=False), result, report, graph_module)
+        self.compiled_graphs.append(record)
+        return record
+
+    def backend(self, inner: str | Callable = "inductor") -> Callable:
+        """A torch.compile backend: the EPLB pass on the Dynamo graph, then ``inner``."""
+        inner_backend = torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
+
+        def eplb_backend(graph_module: fx.GraphModule, example_inputs):
+            self.run_pass(graph_module)
+            return inner_backend(graph_module, example_inputs)
+
+        return eplb_backend
+
+    def post_grad_pass(self) -> EplbPostGradPass:
+        """For ``torch._inductor.config.post_grad_custom_post_pass``."""
+        return EplbPostGradPass(self.bindings(), strict=self.options.strict)
+
+    def vllm_inductor_pass(self):
+        """The post-grad pass as vLLM's ``CallableInductorPass``."""
+        return vllm_inductor_pass(self.post_grad_pass())
+
+    def torchair_backend(self, compiler_config=None) -> Callable:
+        """torchair's NPU backend with the EPLB pass first (Ascend hosts only)."""
+        return torchair_backend(self.run_pass, compiler_config)
+
+    # -- between forwards ------------------------------------------------------------------
+
+    def set_batch(self, *, num_tokens: int, is_prefill: bool = False) -> None:
+        """Before a forward: whether this batch records load (its phase), and its real token count."""
+        phase = self.options.load_phase
+        record = phase == "all" or (phase == "prefill") == is_prefill
+        self.flags.set_(record=record, num_unpadded_tokens=num_tokens)
+
+    def logical_load(self) -> torch.Tensor:
+        """[num_layers, num_logical] recorded load folded onto logical experts."""
+        return torch.stack([layer.tables.logical_load() for layer in self.layers])
+
+    def physical_to_logical(self) -> torch.Tensor:
+        """[num_layers, num_physical] the placement routed by now."""
+        return torch.stack([layer.tables.physical_to_logical for layer in self.layers])
+
+    def rearrange(self) -> torch.Tensor:
+        """One process, synchronous: upstream's default policy on the recorded load, then for
+        each layer move the expert weights locally and refresh its lookup in place.
+
+        Every new placement is validated before any weight moves, so a bad policy output
+        leaves the model exactly as it was. Returns the new placement [num_layers, num_physical].
+        """
+        from vllm.distributed.eplb.policy.default import DefaultEplbPolicy
+
+        old = self.physical_to_logical()
+        new = DefaultEplbPolicy.rebalance_experts(
+            self.logical_load(), old.shape[1], 1, 1, self.options.ep_size, old
+        )
+        return self.apply_placement(new)
+
+    def apply_placement(self, placements: torch.Tensor) -> torch.Tensor:
+        """Installs a placement [num_layers, num_physical] (validated whole, first)."""
+        if placements.dim() != 2 or placements.shape[0] != len(self.layers):
+            raise ValueError(f"placement must be [num_layers={len(self.layers)}, num_physical], got {tuple(placements.shape)}")
+        checked = [
+            validate_placement(p, layer.tables.num_logical_experts, layer.tables.num_physical_experts, layer.tables.max_replicas)
+            for layer, p in zip(self.layers, placements)
+        ]
+        for layer, placement in zip(self.layers, checked):
+            # source slot for each new slot: the first old replica of its logical expert
+            source = layer.tables.lookup[placement.to(layer.lookup.device), 0].long()  # [num_physical]
+            with torch.no_grad():
+                for weight in layer.expert_weights():
+                    weight.copy_(weight[source.to(weight.device)])  # gather copies first: no aliasing
+            layer.tables.refresh_(placement)
+            layer.tables.reset_load_()
+        self.rearrangements += 1
+        return torch.stack(checked)
+
+    def close(self) -> None:
+        for layer in self.layers:
+            LAYER_TABLES.unregister(layer.key)
+
+    def __repr__(self) -> str:
+        return f"EplbHandle({len(self.layers)} layers, {self.options})"
+
+
+def enable(
+    model: nn.Module,
+    *,
+    num_redundant_experts: int = 0,
+    ep_size: int = 1,
+    load_phase: str = "all",
+    strict: bool = True,
+    verify: bool = True,
+    adapters: tuple[MoEAdapter, ...] = DEFAULT_ADAPTERS,
+) -> EplbHandle:
+    """Puts a MoE model under graph-mode EPLB (see the module docstring)."""
+    options = EplbOptions(num_redundant_experts, ep_size, load_phase, strict, verify)
+    options.validate()
+    adapter, specs = find_moe_layers(model, adapters)
+    for spec in specs:  # every check before the first weight is touched
+        adapter.check_supported(spec)
+        num_physical = spec.num_experts + num_redundant_experts
+        if num_physical % ep_size:
+            raise ValueError(
+                f"{spec.name}: {num_physical} physical experts ({spec.num_experts} logical + "
+                f"{num_redundant_experts} redundant) do not divide over ep_size={ep_size}"
+            )
+        for name in spec.expert_param_names:
+            leading = getattr(spec.experts, name).shape[0]
+            if leading != spec.num_experts:
+                raise ValueError(f"{spec.name}.experts.{name} has {leading} rows, expected {spec.num_experts} logical experts")
+
+    handle_id = next(_handle_ids)
+    device = next(model.parameters()).device
+    flags = BatchFlags(device)
+    layers = []
+    for index, spec in enumerate(specs):
+        placement = initial_placement(spec.num_experts, num_redundant_experts)
+        for name in spec.expert_param_names:
+            setattr(spec.experts, name, _to_physical_layout_(getattr(spec.experts, name), placement))
+        adapter.set_num_physical(spec, spec.num_experts + num_redundant_experts)
+        tables = LayerLookup(spec.num_experts, spec.num_experts + num_redundant_experts, placement=placement, device=device)
+        layer = EplbLayer(f"eplb{handle_id}.{index}", spec, tables, flags)
+        LAYER_TABLES.register(layer.key, layer)
+        layers.append(layer)
+    return EplbHandle(model, layers, flags, options)

@@ -1,0 +1,154 @@
+"""Reference MoE decoder (DeepSeek-V3 / Qwen3-MoE style), small enough to read on one screen.
+
+Router (linear -> softmax -> top-k -> renormalise) and routed experts in batched layout
+([num_experts, ...] weights gathered per (token, k) pair, as gpt-fast's mixtral-moe
+does), plus an optional shared expert. The router returns *logical* expert ids; the
+experts index their weights with whatever ids they are given. ``eplb_graph.enable``
+turns the experts' weights into physical layout and the EPLB pass maps ids in between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ReferenceMoEConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_experts: int = 16
+    top_k: int = 4
+    expert_intermediate_size: int = 32
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    norm_topk_prob: bool = True
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, config: ReferenceMoEConfig) -> None:
+        super().__init__()
+        self.top_k = config.top_k
+        self.num_experts = config.num_experts
+        self.norm_topk_prob = config.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x: [T, H]
+        probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)  # [T, E]
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K], [T, K] logical
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), expert_ids
+
+
+class BatchedExperts(nn.Module):
+    """SwiGLU experts; w13: [E, 2I, H] (gate and up), w2: [E, H, I]. E is logical or physical."""
+
+    def __init__(self, config: ReferenceMoEConfig) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.w13 = nn.Parameter(torch.empty(config.num_experts, 2 * config.expert_intermediate_size, config.hidden_size))
+        self.w2 = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, config.expert_intermediate_size))
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        num_tokens, top_k = expert_ids.shape  # [T, K]
+        flat_ids = expert_ids.reshape(-1)  # [T*K]
+        x_rep = x.repeat_interleave(top_k, dim=0)  # [T*K, H]
+        gate, up = torch.bmm(self.w13[flat_ids], x_rep.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)  # [T*K, I]
+        out = torch.bmm(self.w2[flat_ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [T*K, H]
+        return (out * weights.reshape(-1, 1)).view(num_tokens, top_k, -1).sum(dim=1)  # [T, H]
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, config: ReferenceMoEConfig) -> None:
+        super().__init__()
+        self.gate = TopKRouter(config)
+        self.experts = BatchedExperts(config)
+        self.shared_expert = (
+            SwiGLU(config.hidden_size, config.shared_expert_intermediate_size)
+            if config.shared_expert_intermediate_size
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, S, H]
+        tokens = x.reshape(-1, x.shape[-1])  # [T, H]
+        weights, expert_ids = self.gate(tokens)  # [T, K], [T, K]
+        out = self.experts(tokens, expert_ids, weights)  # [T, H]
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens)
+        return out.view_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: ReferenceMoEConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=False)
+        self.out = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, S, H]
+        batch, seq, hidden = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # 3 x [B, nh, S, hd]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, S, hd]
+        return self.out(y.transpose(1, 2).reshape(batch, seq, hidden))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ReferenceMoEConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.hidden_size)
+        self.attn = CausalSelfAttention(config)
+        self.mlp_norm = nn.RMSNorm(config.hidden_size)
+        self.mlp = MoEBlock(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class ReferenceMoEModel(nn.Module):
+    def __init__(self, config: ReferenceMoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = nn.RMSNorm(config.hidden_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [B, S] -> logits [B, S, V]
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def build_reference_model(config: ReferenceMoEConfig | None = None, *, seed: int = 0) -> ReferenceMoEModel:
+    """A randomly initialised reference model (deterministic for a seed), in eval mode."""
+    config = config or ReferenceMoEConfig()
+    gen = torch.Generator().manual_seed(seed)
+    model = ReferenceMoEModel(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+    return model.eval()
