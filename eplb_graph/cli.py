@@ -34,6 +34,23 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eplb_graph.inspect import build_report, format_text, inspect_model, write_outputs
+
+    handle, record = inspect_model(args.model, args.backend, args.redundant)
+    report = build_report(args.model, args.backend, handle, record)
+    written = write_outputs(Path(args.out), report, record) if args.out else []
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_text(report, record))
+        for path in written:
+            print(f"wrote {path}")
+    return 0 if report["verifier_ok"] and not report["unattributed"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eplb-graph", description="Graph-mode EPLB for MoE inference")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -46,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(func=_demo)
+
+    from eplb_graph.inspect import BACKENDS, MODELS
+
+    inspect = commands.add_parser("inspect", help="compile a MoE model with the EPLB pass and show the graph")
+    inspect.add_argument("--model", choices=MODELS, default="reference")
+    inspect.add_argument("--backend", choices=BACKENDS, default="aot_eager")
+    inspect.add_argument("--redundant", type=int, default=2, help="redundant experts per layer")
+    inspect.add_argument("--out", help="directory for the full before/after graphs (text, HTML) and report.json")
+    inspect.add_argument("--json", action="store_true", help="print the machine-readable report")
+    inspect.set_defaults(func=_inspect)
     return parser
 
 

@@ -69,7 +69,8 @@ class RoutingPassResult:
 
 
 def is_routing_node(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is MAP_AND_RECORD_LAYER
+    # the overload packet too: user code calling the op directly traces to the packet
+    return node.op == "call_function" and node.target in (MAP_AND_RECORD_LAYER, MAP_AND_RECORD_LAYER.overloadpacket)
 
 
 def is_id_preserving(node: fx.Node) -> bool:

@@ -22,7 +22,8 @@ from eplb_graph.custom_ops import LAYER_TABLES
 from .insert_routing import is_id_preserving, is_routing_node
 from .router_sites import RouterBinding, find_router_sites, inside_module, is_unattributed_router, topk_indices
 
-MAP_AND_RECORD = torch.ops.eplb_graph.map_and_record.default
+# Dynamo and fx.symbolic_trace record the overload packet, ATen graphs the overload.
+MAP_AND_RECORD = (torch.ops.eplb_graph.map_and_record, torch.ops.eplb_graph.map_and_record.default)
 
 
 class EplbVerificationError(AssertionError):
@@ -135,7 +136,7 @@ def verify(
 
     # Explicit map_and_record calls (user code): tables must be graph inputs, not constants.
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is MAP_AND_RECORD:
+        if node.op == "call_function" and node.target in MAP_AND_RECORD:
             names = ("lookup", "replica_count", "load", "record_enabled", "num_unpadded_tokens")
             for name, arg in zip(names, node.args[1:6]):
                 if not _is_live_input(arg):
