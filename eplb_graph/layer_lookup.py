@@ -167,6 +167,21 @@ class LayerLookup:
         self.replica_count.copy_(replica_count)
         self.physical_to_logical.copy_(placement)
 
+    def bind_load_(self, load: torch.Tensor) -> None:
+        """Records into ``load`` from now on (e.g. a row of upstream's ``expert_load_pass``).
+
+        For set-up, before graphs are captured: a graph that holds the old buffer by
+        address would keep recording there. Graphs built by the EPLB pass resolve the
+        layer by name and follow the new buffer.
+        """
+        if load.dim() != 1 or load.shape[0] != self.num_physical_experts or not load.is_contiguous():
+            raise ValueError(
+                f"load must be a contiguous [{self.num_physical_experts}] tensor, got {tuple(load.shape)}"
+            )
+        if load.device != self.device:
+            raise ValueError(f"load lives on {load.device}, the lookup on {self.device}")
+        self.load = load
+
     def reset_load_(self) -> None:
         self.load.zero_()
 

@@ -1,0 +1,219 @@
+"""Controller adapter: our layers under upstream vLLM's EPLB state machine (async only).
+
+Upstream owns the load window, the step interval, the default policy, the async worker
+and its one-layer-at-a-time handshake; this adapter only connects the boundaries:
+
+* ``UpstreamModelView`` presents our layers as upstream's ``MixtureOfExperts``: expert
+  weights are the quantization-owned views (the kernel's storage), and each layer's
+  load buffer *is* a row of upstream's ``expert_load_pass`` (bound in ``set_eplb_state``),
+  so what the routing op records is what upstream's window sees.
+* ``begin_batch`` decides once per batch whether it records load: upstream's recording
+  window and the configured phase (``all | prefill | decode``; a batch with any prefill
+  work is prefill). A filtered batch records nothing, but ``end_batch`` still steps the
+  upstream state on every rank, so collectives stay in the same order everywhere.
+* the commit hook refreshes a layer's lookup from upstream's committed placement after
+  upstream commits it and before the staging buffer is acknowledged (invariants 3, 6).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from eplb_graph.custom_ops import LAYER_TABLES
+from eplb_graph.layer_lookup import BatchFlags, LayerLookup, validate_placement
+from eplb_graph.upstream_compat import UpstreamCapabilityAdapter
+
+LOAD_PHASES = ("all", "prefill", "decode")
+
+
+class EplbWorkerError(RuntimeError):
+    """The async EPLB worker died; EPLB would otherwise be silently off from here on."""
+
+
+class EplbPeerLostError(RuntimeError):
+    """An EP peer disappeared; this rank keeps its last committed placement and matching weights."""
+
+
+class RankLayer:
+    """One MoE layer on one EP rank: global routing tables, local expert weights, shared flags."""
+
+    def __init__(self, key: str, tables: LayerLookup, flags: BatchFlags, weight_view: list[torch.Tensor]) -> None:
+        self.key = key
+        self.tables = tables
+        self.flags = flags
+        self.weight_view = weight_view
+        LAYER_TABLES.register(key, self)
+
+    def routing_tensors(self):
+        t = self.tables
+        return t.lookup, t.replica_count, t.load, self.flags.record_enabled, self.flags.num_unpadded_tokens
+
+
+class UpstreamModelView:
+    """Duck-typed ``vllm.model_executor.models.interfaces.MixtureOfExperts`` over RankLayers."""
+
+    def __init__(self, layers: list[RankLayer], num_logical: int, num_physical: int, ep_size: int) -> None:
+        self.layers = layers
+        self.expert_weights = [layer.weight_view for layer in layers]
+        self.num_moe_layers = len(layers)
+        self.num_expert_groups = 1
+        self.num_logical_experts = num_logical
+        self.num_routed_experts = num_logical
+        self.num_physical_experts = num_physical
+        self.num_redundant_experts = num_physical - num_logical
+        self.num_local_physical_experts = num_physical // ep_size
+        self.num_shared_experts = 0
+        self.moe_layers = []  # no upstream EplbLayerState: our op reads our own tables
+
+    def set_eplb_state(self, expert_load_pass, logical_to_physical_map, logical_replica_count) -> None:
+        for index, layer in enumerate(self.layers):
+            layer.tables.bind_load_(expert_load_pass[index, : self.num_physical_experts])
+
+
+@dataclass(frozen=True)
+class ModelKey:
+    """What EplbState needs of a ModelConfig: a stable hash and a name."""
+
+    model: str
+
+    def compute_hash(self) -> str:
+        return f"eplb-graph:{self.model}"
+
+
+@dataclass
+class ControllerStats:
+    rearrangements_started: int = 0
+    rearrangements_finished: int = 0
+    layers_committed: int = 0
+    steps: int = 0
+
+
+class EplbController:
+    """Drives upstream's EplbState for this rank's layers; one per process."""
+
+    def __init__(
+        self,
+        layers: list[RankLayer],
+        *,
+        num_logical: int,
+        num_physical: int,
+        window_size: int,
+        step_interval: int,
+        load_phase: str = "all",
+        transfer_timeout_s: float = 60.0,
+        device: torch.device | str = "cpu",
+        model_name: str = "moe",
+    ) -> None:
+        if load_phase not in LOAD_PHASES:
+            raise ValueError(f"unknown load_phase {load_phase!r}; expected one of {', '.join(LOAD_PHASES)}")
+        from vllm.config import get_current_vllm_config
+        from vllm.distributed.eplb.eplb_state import EplbState
+        from vllm.distributed.parallel_state import get_eplb_group, get_ep_group
+
+        from eplb_graph.mover import GlooStagedCommunicator
+
+        parallel_config = get_current_vllm_config().parallel_config
+        eplb_config = parallel_config.eplb_config
+        if not (parallel_config.enable_eplb and eplb_config.use_async):
+            raise ValueError("eplb-graph supports asynchronous EPLB only: set enable_eplb=True with use_async=True")
+        eplb_config.window_size, eplb_config.step_interval = window_size, step_interval
+        self.layers = layers
+        self.load_phase = load_phase
+        self.flags = layers[0].flags
+        self.stats = ControllerStats()
+        self.ep_rank = get_ep_group().rank_in_group
+        self.ep_size = get_ep_group().world_size
+        shapes = {tuple(tuple(t.shape) for t in layer.weight_view) for layer in layers}
+        if len(shapes) != 1:  # upstream sizes its transfer buffer from layer 0
+            raise ValueError(f"every MoE layer must have the same per-expert weight shapes for EPLB, got {shapes}")
+
+        self.compat = UpstreamCapabilityAdapter(
+            torch.device(device), commit_hook=self._after_commit, placement_check=self._check_placements
+        ).install()
+        self.model_key = ModelKey(model_name)
+        self.model_view = UpstreamModelView(layers, num_logical, num_physical, self.ep_size)
+        self.state = EplbState(parallel_config, torch.device(device))
+        self.state.add_model(self.model_view, self.model_key)
+        self.communicator = GlooStagedCommunicator(get_eplb_group().cpu_group, timeout_s=transfer_timeout_s)
+        self.state.update_communicator(self.model_key, self.communicator)
+        self.model_state = next(iter(self.state.model_states.values()))
+        self._was_rebalancing = False
+        self.state.start_async_loop()
+
+    # -- upstream hooks ---------------------------------------------------------------
+
+    def _check_placements(self, placements: torch.Tensor) -> None:
+        for layer, placement in zip(self.layers, placements):
+            validate_placement(placement, layer.tables.num_logical_experts, layer.tables.num_physical_experts, layer.tables.max_replicas)
+        if placements.shape[0] != len(self.layers):
+            raise ValueError(f"policy returned {placements.shape[0]} layers, expected {len(self.layers)}")
+
+    def _after_commit(self, model_state, layer_index: int | None) -> None:
+        indices = range(len(self.layers)) if layer_index is None else [layer_index]
+        committed = model_state.physical_to_logical_map.cpu()  # upstream's placement is the truth
+        for index in indices:
+            self.layers[index].tables.refresh_(committed[index])
+            self.stats.layers_committed += 1
+
+    # -- per batch ----------------------------------------------------------------------
+
+    def begin_batch(self, *, num_unpadded_tokens: int, is_prefill: bool) -> bool:
+        """Before a forward (or replay): fill the record flag and padding count. Returns record."""
+        self.check_worker()
+        in_phase = self.load_phase == "all" or (self.load_phase == "prefill") == is_prefill
+        record = in_phase and self.state._should_record_current_step()
+        self.flags.set_(record=record, num_unpadded_tokens=num_unpadded_tokens)
+        return record
+
+    def end_batch(self) -> None:
+        """After a forward: every rank steps upstream (window, rearrangement, layer commits)."""
+        self.check_worker()
+        self.state.step()
+        self.stats.steps += 1
+        rebalancing = self.model_state.rebalanced
+        if rebalancing and not self._was_rebalancing:
+            self.stats.rearrangements_started += 1
+        if self._was_rebalancing and not rebalancing:
+            self.stats.rearrangements_finished += 1
+        self._was_rebalancing = rebalancing
+
+    @property
+    def rebalancing(self) -> bool:
+        return bool(self.model_state.rebalanced)
+
+    def check_worker(self) -> None:
+        health = self.compat.health
+        if health.error is not None:
+            raise EplbWorkerError(
+                f"async EPLB worker on EP rank {self.ep_rank} died: {health.error!r}; the last committed "
+                f"placement stays in force\n{health.traceback}"
+            ) from health.error
+
+    def peer_lost(self, error: BaseException, *, wait_for_worker_s: float = 2.0) -> EplbPeerLostError:
+        """A clear error for a collective that failed because a peer is gone.
+
+        Waits briefly for the worker's own report (it names the peers of the failed
+        transfer). Nothing half-moved is visible: a layer is committed only after all of
+        its bytes arrived, and routing only ever reads committed placements.
+        """
+        deadline = time.monotonic() + wait_for_worker_s
+        while self.compat.health.error is None and self.rebalancing and time.monotonic() < deadline:
+            time.sleep(0.05)
+        worker = self.compat.health.error
+        during = "an async expert transfer" if self.rebalancing else "a forward"
+        return EplbPeerLostError(
+            f"EP rank {self.ep_rank}/{self.ep_size}: a peer left during {during}: {error}"
+            + (f"; async worker: {worker}" if worker is not None else "")
+            + f"; keeping the last committed placement ({self.stats.layers_committed} layer commits so far)"
+        )
+
+    def placements(self) -> torch.Tensor:
+        return self.model_state.physical_to_logical_map.cpu().clone()
+
+    def close(self) -> None:
+        self.compat.uninstall()
+        for layer in self.layers:
+            LAYER_TABLES.unregister(layer.key)

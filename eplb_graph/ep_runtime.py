@@ -1,0 +1,131 @@
+"""A stack of expert-parallel MoE layers on one rank, under upstream EPLB via our adapters.
+
+Used by the multi-rank tests and the movement benchmark: every rank builds the same
+seeded logical experts, keeps its slice of the physical layout in the chosen
+quantization format, and runs batches through the layers with ``begin_batch`` /
+``end_batch`` around each forward -- the only place EPLB steps and layers commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from eplb_graph.controller import EplbController, EplbWorkerError, RankLayer
+from eplb_graph.expert_parallel import ExpertParallelMoE, reference_moe
+from eplb_graph.layer_lookup import BatchFlags, LayerLookup, initial_placement
+from eplb_graph.weight_views import check_weight_view, expert_format
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    num_layers: int = 2
+    num_logical: int = 8
+    num_redundant: int = 4
+    hidden: int = 32
+    intermediate: int = 16
+    top_k: int = 2
+    tokens_per_rank: int = 16
+    weight_format: str = "unquantized"
+    seed: int = 0
+
+    @property
+    def num_physical(self) -> int:
+        return self.num_logical + self.num_redundant
+
+
+def logical_weights(spec: StackSpec) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer: (router [E, H], w13 [E, 2I, H], w2 [E, H, I]), identical on every rank."""
+    gen = torch.Generator().manual_seed(spec.seed)
+    layers = []
+    for _ in range(spec.num_layers):
+        router = torch.randn(spec.num_logical, spec.hidden, generator=gen)
+        w13 = torch.randn(spec.num_logical, 2 * spec.intermediate, spec.hidden, generator=gen) * spec.hidden**-0.5
+        w2 = torch.randn(spec.num_logical, spec.hidden, spec.intermediate, generator=gen) * spec.intermediate**-0.5
+        layers.append((router, w13, w2))
+    return layers
+
+
+def skewed_batch(spec: StackSpec, step: int, rank: int, drift_every: int = 0) -> torch.Tensor:
+    """[T, H] tokens aimed at a hot set of experts; the hot set drifts every `drift_every` steps."""
+    gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + step * 101 + rank)
+    phase = step // drift_every if drift_every else 0
+    hot = torch.Generator().manual_seed(spec.seed + phase)
+    direction = torch.randn(spec.hidden, generator=hot)
+    return 0.3 * torch.randn(spec.tokens_per_rank, spec.hidden, generator=gen) + direction
+
+
+@dataclass
+class RankStack:
+    spec: StackSpec
+    rank: int
+    ep_size: int
+    layers: list[ExpertParallelMoE]
+    rank_layers: list[RankLayer]
+    references: list  # per layer: (router, logical ExpertWeights)
+    controller: EplbController | None
+    flags: BatchFlags
+    max_abs_diff: list[float] = field(default_factory=list)
+
+    def forward(self, x: torch.Tensor, *, is_prefill: bool = False, check: bool = True) -> torch.Tensor:
+        """One batch through every layer; EPLB steps (and commits layers) only after it."""
+        try:
+            if self.controller is not None:
+                self.controller.begin_batch(num_unpadded_tokens=x.shape[0], is_prefill=is_prefill)
+            for layer, (router, logical_experts) in zip(self.layers, self.references):
+                out = layer(x)
+                if check:
+                    expected = reference_moe(x, router, logical_experts, self.spec.top_k)
+                    self.max_abs_diff.append(float((out - expected).abs().max()))
+                x = x + out
+            if self.controller is not None:
+                self.controller.end_batch()
+        except RuntimeError as error:  # gloo: a peer's connection closed or timed out
+            if self.controller is None or isinstance(error, EplbWorkerError):
+                raise
+            raise self.controller.peer_lost(error) from error
+        return x
+
+    def local_weights_match_placement(self) -> bool:
+        """Every local physical slot holds exactly its logical expert's (dequantized) weights."""
+        num_local = self.spec.num_physical // self.ep_size
+        for rank_layer, layer, (_, logical_experts) in zip(self.rank_layers, self.layers, self.references):
+            placement = rank_layer.tables.physical_to_logical[self.rank * num_local : (self.rank + 1) * num_local]
+            for local, expected in zip(layer.experts.dequantized(), logical_experts.dequantized()):
+                if not torch.equal(local, expected[placement]):
+                    return False
+        return True
+
+
+def build_rank_stack(
+    spec: StackSpec, rank: int, ep_size: int, *, window_size: int, step_interval: int, load_phase: str = "all",
+    transfer_timeout_s: float = 30.0, with_controller: bool = True,
+) -> RankStack:
+    from vllm.distributed.parallel_state import get_ep_group
+
+    fmt = expert_format(spec.weight_format)  # unsupported formats fail here, before any state
+    if spec.num_physical % ep_size:
+        raise ValueError(f"{spec.num_physical} physical experts do not divide over {ep_size} ranks")
+    num_local = spec.num_physical // ep_size
+    placement = initial_placement(spec.num_logical, spec.num_redundant)
+    local_slots = placement[rank * num_local : (rank + 1) * num_local]
+    flags = BatchFlags()
+    layers, rank_layers, references = [], [], []
+    for index, (router, w13, w2) in enumerate(logical_weights(spec)):
+        logical_experts = fmt.from_float(w13, w2)  # quantised once, in logical layout
+        local_experts = fmt(*[t[local_slots].clone() for t in logical_experts.weight_view()])
+        check_weight_view(local_experts, num_local)
+        tables = LayerLookup(spec.num_logical, spec.num_physical, placement=placement)
+        rank_layer = RankLayer(f"ep{rank}.{index}", tables, flags, local_experts.weight_view())
+        group = get_ep_group().device_group if ep_size > 1 else None
+        layers.append(ExpertParallelMoE(router, local_experts, rank_layer.key, spec.top_k, rank, ep_size, group))
+        rank_layers.append(rank_layer)
+        references.append((router, logical_experts))
+    controller = None
+    if with_controller:
+        controller = EplbController(
+            rank_layers, num_logical=spec.num_logical, num_physical=spec.num_physical, window_size=window_size,
+            step_interval=step_interval, load_phase=load_phase, transfer_timeout_s=transfer_timeout_s,
+        )
+    return RankStack(spec, rank, ep_size, layers, rank_layers, references, controller, flags)

@@ -1,0 +1,113 @@
+"""Expert parallelism over real processes: set-up of vLLM's groups on gloo, and the EP MoE layer.
+
+Each EP rank holds ``num_physical / ep_size`` consecutive physical experts. Token dispatch
+is all-gather / all-reduce: every rank gathers all ranks' tokens, physical ids and routing
+weights, computes the (token, k) pairs its local experts own, and an all-reduce sums the
+partial outputs (gloo has no reduce-scatter); each rank keeps its own tokens' rows.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from eplb_graph.weight_views import ExpertWeights
+
+
+def init_expert_parallel(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    *,
+    num_redundant_experts: int,
+    window_size: int = 8,
+    step_interval: int = 16,
+    timeout_s: float = 60.0,
+):
+    """vLLM parallel state for EP = world_size over gloo (tensor parallel x expert parallel).
+
+    ``ParallelConfig`` refuses ``enable_eplb`` on the CPU platform and ``VllmConfig``
+    re-validates it, so EPLB is switched on after construction, before the groups exist;
+    the communicator is named since auto-selection lives in the validator. Returns the
+    VllmConfig, which must stay current (``set_current_vllm_config``) while EPLB runs.
+    """
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config.parallel import EPLBConfig
+    from vllm.distributed import parallel_state
+
+    config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=world_size, enable_expert_parallel=True))
+    config.parallel_config.enable_eplb = True
+    config.parallel_config.eplb_config = EPLBConfig(
+        window_size=window_size,
+        step_interval=step_interval,
+        use_async=True,
+        communicator="torch_gloo",
+        num_redundant_experts=num_redundant_experts,
+    )
+    with set_current_vllm_config(config):
+        parallel_state.init_distributed_environment(
+            world_size, rank, init_method, rank, backend="gloo", timeout=timedelta(seconds=timeout_s)
+        )
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size, backend="gloo")
+    return config
+
+
+class ExpertParallelMoE(nn.Module):
+    """Router (replicated, logical ids) -> EPLB routing op -> this rank's experts -> combine."""
+
+    def __init__(
+        self,
+        router_weight: torch.Tensor,  # [num_logical, H]
+        experts: ExpertWeights,  # this rank's physical slots
+        layer_key: str,
+        top_k: int,
+        ep_rank: int = 0,
+        ep_size: int = 1,
+        ep_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.router_weight = nn.Parameter(router_weight, requires_grad=False)
+        self.experts = experts
+        self.layer_key = layer_key
+        self.top_k = top_k
+        self.ep_rank, self.ep_size, self.ep_group = ep_rank, ep_size, ep_group
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.linear(x, self.router_weight).softmax(dim=-1, dtype=torch.float32)  # [T, E]
+        weights, logical = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        physical = torch.ops.eplb_graph.map_and_record_layer(logical, self.layer_key)  # [T, K] global
+        return weights, physical
+
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.ep_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.ep_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.ep_group)
+        return torch.cat(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H], T equal on every rank
+        num_tokens = x.shape[0]
+        weights, physical = self.route(x)
+        all_x, all_weights, all_physical = self._gather(x), self._gather(weights), self._gather(physical)
+        num_local = self.experts.num_experts
+        local = all_physical - self.ep_rank * num_local  # [W*T, K]
+        mine = (local >= 0) & (local < num_local)
+        pairs = self.experts(all_x.repeat_interleave(self.top_k, dim=0), local.clamp(0, num_local - 1).reshape(-1))
+        out = (pairs * (all_weights * mine).reshape(-1, 1)).view(-1, self.top_k, x.shape[-1]).sum(1)  # [W*T, H]
+        if self.ep_size > 1:
+            dist.all_reduce(out, group=self.ep_group)
+        return out[self.ep_rank * num_tokens : (self.ep_rank + 1) * num_tokens]
+
+
+def reference_moe(x: torch.Tensor, router_weight: torch.Tensor, experts: ExpertWeights, top_k: int) -> torch.Tensor:
+    """The same MoE without EPLB: logical ids index logical experts directly, one process."""
+    probs = F.linear(x, router_weight).softmax(dim=-1, dtype=torch.float32)
+    weights, logical = torch.topk(probs, top_k, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+    pairs = experts(x.repeat_interleave(top_k, dim=0), logical.reshape(-1))
+    return (pairs * weights.reshape(-1, 1)).view(-1, top_k, x.shape[-1]).sum(1)

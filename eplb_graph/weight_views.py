@@ -1,0 +1,224 @@
+"""Quantization-owned expert weight views: the exact storage each expert kernel reads.
+
+Each format stores one rank's physical experts as tensors with a leading
+[num_local_experts] dimension and exposes ``weight_view()``: those tensors, in a fixed
+order, and nothing else -- the list upstream's mover reads and writes (invariant 5).
+Its ``forward`` (a plain torch reference kernel) reads the very same tensors, so a
+moved expert is what the next forward computes with. ``dequantized()`` recovers float
+weights for comparisons.
+
+    unquantized   w13 [E, 2I, H], w2 [E, H, I] (+ optional b13 [E, 2I], b2 [E, H])
+    w8a8_dynamic  int8 w13/w2 with per-output-channel scales; activations quantised
+                  per token at run time
+    w4a8          int4 packed two per int8 along the input dim, per-output-channel scales
+                  and a per-output-channel scale bias (the mean the symmetric int4 grid
+                  cannot hold, applied as mean * sum(x))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ExpertWeights(nn.Module):
+    """Base: ``view_names`` lists, in order, every tensor the kernel reads."""
+
+    format_name = "base"
+    view_names: tuple[str, ...] = ()
+
+    @property
+    def num_experts(self) -> int:
+        return getattr(self, self.view_names[0]).shape[0]
+
+    def weight_view(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.view_names]
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """x: [S, H] one row per (token, k) pair; expert_ids: [S] local slots -> [S, H]."""
+        raise NotImplementedError
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2I, H], w2 [E, H, I]) in float32."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_float(cls, w13: torch.Tensor, w2: torch.Tensor, **kwargs) -> ExpertWeights:
+        raise NotImplementedError
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _batched_matvec(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(weight, x.unsqueeze(-1)).squeeze(-1)  # [S, O, I] x [S, I] -> [S, O]
+
+
+class UnquantizedExperts(ExpertWeights):
+    format_name = "unquantized"
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None):
+        super().__init__()
+        self.w13 = nn.Parameter(w13.contiguous(), requires_grad=False)
+        self.w2 = nn.Parameter(w2.contiguous(), requires_grad=False)
+        names = ["w13", "w2"]
+        if b13 is not None:
+            self.b13 = nn.Parameter(b13.contiguous(), requires_grad=False)
+            self.b2 = nn.Parameter(b2.contiguous(), requires_grad=False)
+            names += ["b13", "b2"]
+        self.view_names = tuple(names)
+
+    @classmethod
+    def from_float(cls, w13, w2, *, bias: bool = False, b13=None, b2=None):
+        return cls(w13, w2, b13 if bias else None, b2 if bias else None)
+
+    def forward(self, x, expert_ids):
+        hidden = _batched_matvec(self.w13[expert_ids], x)  # [S, 2I]
+        if "b13" in self.view_names:
+            hidden = hidden + self.b13[expert_ids]
+        out = _batched_matvec(self.w2[expert_ids], _swiglu(hidden))  # [S, H]
+        if "b2" in self.view_names:
+            out = out + self.b2[expert_ids]
+        return out
+
+    def dequantized(self):
+        return self.w13.float(), self.w2.float()
+
+
+def _quantize_per_channel(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel quantisation of w [E, O, I] to ints in [-levels, levels]."""
+    scale = (w.abs().amax(dim=-1) / levels).clamp_min(1e-8)  # [E, O]
+    q = torch.round(w / scale.unsqueeze(-1)).clamp(-levels, levels).to(torch.int8)
+    return q, scale.float()
+
+
+def _quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row int8: x [S, I] -> (x_q as float [S, I], scale [S, 1])."""
+    scale = (x.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(1e-8)
+    return torch.round(x / scale).clamp(-127, 127), scale
+
+
+class W8A8DynamicExperts(ExpertWeights):
+    format_name = "w8a8_dynamic"
+    view_names = ("w13_q", "w13_scale", "w2_q", "w2_scale")
+
+    def __init__(self, w13_q, w13_scale, w2_q, w2_scale):
+        super().__init__()
+        for name, tensor in zip(self.view_names, (w13_q, w13_scale, w2_q, w2_scale)):
+            self.register_buffer(name, tensor.contiguous())
+
+    @classmethod
+    def from_float(cls, w13, w2, **_):
+        return cls(*_quantize_per_channel(w13.float(), 127), *_quantize_per_channel(w2.float(), 127))
+
+    @staticmethod
+    def _linear(x, q, scale):  # x [S, I]; q [S, O, I] int8; scale [S, O]
+        x_q, x_scale = _quantize_activations(x)
+        # int8 x int8 products summed exactly in float32 (|sum| < 2^24 for these sizes)
+        return _batched_matvec(q.float(), x_q) * x_scale * scale
+
+    def forward(self, x, expert_ids):
+        hidden = self._linear(x.float(), self.w13_q[expert_ids], self.w13_scale[expert_ids])
+        return self._linear(_swiglu(hidden), self.w2_q[expert_ids], self.w2_scale[expert_ids]).to(x.dtype)
+
+    def dequantized(self):
+        return self.w13_q.float() * self.w13_scale.unsqueeze(-1), self.w2_q.float() * self.w2_scale.unsqueeze(-1)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[..., I] ints in [-8, 7] -> [..., I/2] int8, element 2j in the low nibble."""
+    low, high = q[..., 0::2].to(torch.int16), q[..., 1::2].to(torch.int16)
+    packed = (low & 0xF) | ((high & 0xF) << 4)
+    return torch.where(packed > 127, packed - 256, packed).to(torch.int8)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4: [..., I/2] int8 -> [..., I] int8 in [-8, 7]."""
+    low = torch.bitwise_right_shift(torch.bitwise_left_shift(packed, 4), 4)  # arithmetic: sign-extends
+    high = torch.bitwise_right_shift(packed, 4)
+    return torch.stack([low, high], dim=-1).flatten(-2)
+
+
+class W4A8Experts(ExpertWeights):
+    format_name = "w4a8"
+    view_names = ("w13_packed", "w13_scale", "w13_scale_bias", "w2_packed", "w2_scale", "w2_scale_bias")
+
+    def __init__(self, *tensors):
+        super().__init__()
+        for name, tensor in zip(self.view_names, tensors):
+            self.register_buffer(name, tensor.contiguous())
+
+    @staticmethod
+    def _quantize(w):  # w [E, O, I] -> packed [E, O, I/2], scale [E, O], scale_bias [E, O]
+        if w.shape[-1] % 2:
+            raise ValueError(f"w4a8 packs two int4 per byte along the input dim; got odd size {w.shape[-1]}")
+        mean = w.mean(dim=-1)  # [E, O]
+        q, scale = _quantize_per_channel(w - mean.unsqueeze(-1), 7)
+        return pack_int4(q), scale, mean.float()
+
+    @classmethod
+    def from_float(cls, w13, w2, **_):
+        return cls(*cls._quantize(w13.float()), *cls._quantize(w2.float()))
+
+    @staticmethod
+    def _linear(x, packed, scale, scale_bias):  # x [S, I]
+        x_q, x_scale = _quantize_activations(x)
+        q = unpack_int4(packed).float()  # [S, O, I]
+        return _batched_matvec(q, x_q) * x_scale * scale + scale_bias * x.sum(-1, keepdim=True)
+
+    def forward(self, x, expert_ids):
+        w13 = [t[expert_ids] for t in (self.w13_packed, self.w13_scale, self.w13_scale_bias)]
+        w2 = [t[expert_ids] for t in (self.w2_packed, self.w2_scale, self.w2_scale_bias)]
+        hidden = self._linear(x.float(), *w13)
+        return self._linear(_swiglu(hidden), *w2).to(x.dtype)
+
+    def dequantized(self):
+        def dq(packed, scale, bias):
+            return unpack_int4(packed).float() * scale.unsqueeze(-1) + bias.unsqueeze(-1)
+
+        return dq(self.w13_packed, self.w13_scale, self.w13_scale_bias), dq(self.w2_packed, self.w2_scale, self.w2_scale_bias)
+
+
+EXPERT_FORMATS: dict[str, type[ExpertWeights]] = {
+    cls.format_name: cls for cls in (UnquantizedExperts, W8A8DynamicExperts, W4A8Experts)
+}
+# Formats users ask for that cannot be moved per expert, and why (rejected at start-up).
+UNSUPPORTED_FORMATS = {
+    "w8a8_static": "its activation scale is one tensor shared by all experts, not per expert, so movement cannot carry it",
+    "fp8_block": "no expert-major weight view of its block scales exists here",
+    "gptq_marlin": "its Marlin-repacked tiles interleave experts' columns; a per-expert view would not be the kernel's storage",
+}
+
+
+def expert_format(name: str) -> type[ExpertWeights]:
+    if name in EXPERT_FORMATS:
+        return EXPERT_FORMATS[name]
+    why = UNSUPPORTED_FORMATS.get(name, "unknown format")
+    raise ValueError(
+        f"quantization format {name!r} is not supported by EPLB: {why}; supported: {', '.join(EXPERT_FORMATS)}"
+    )
+
+
+def check_weight_view(experts: ExpertWeights, num_local_experts: int) -> None:
+    """The view must be the kernel's storage: every tensor expert-major, contiguous, on one device,
+    and no expert-major tensor of the module left out of it (coupled metadata moves together)."""
+    view = experts.weight_view()
+    devices = {t.device for t in view}
+    if len(devices) != 1:
+        raise ValueError(f"{experts.format_name}: weight view spans devices {devices}")
+    for name, tensor in zip(experts.view_names, view):
+        if tensor.shape[0] != num_local_experts or not tensor.is_contiguous():
+            raise ValueError(
+                f"{experts.format_name}: view tensor {name} {tuple(tensor.shape)} is not a contiguous "
+                f"[{num_local_experts}, ...] expert-major tensor"
+            )
+    in_view = {id(t) for t in view}
+    left_out = [
+        name for name, t in [*experts.named_parameters(), *experts.named_buffers()]
+        if t.dim() and t.shape[0] == num_local_experts and id(t) not in in_view
+    ]
+    if left_out:
+        raise ValueError(f"{experts.format_name}: expert tensors {left_out} are outside the weight view and would not move")

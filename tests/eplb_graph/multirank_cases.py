@@ -1,0 +1,149 @@
+"""Per-rank bodies of the multi-rank tests (module level, so spawned processes can import them)."""
+
+import os
+import time
+
+import torch
+
+
+def _setup(rank, world_size, init_method, **spec_overrides):
+    from vllm.config import set_current_vllm_config
+
+    from eplb_graph.ep_runtime import StackSpec
+    from eplb_graph.expert_parallel import init_expert_parallel
+
+    torch.set_num_threads(1)
+    spec = StackSpec(**spec_overrides)
+    config = init_expert_parallel(
+        rank, world_size, init_method, num_redundant_experts=spec.num_redundant, window_size=4, step_interval=8,
+        timeout_s=20,
+    )
+    return spec, set_current_vllm_config(config)
+
+
+def live_rebalancing(rank, world_size, init_method, weight_format, steps, load_phase):
+    from eplb_graph.ep_runtime import build_rank_stack, skewed_batch
+
+    spec, context = _setup(rank, world_size, init_method, weight_format=weight_format)
+    with context:
+        stack = build_rank_stack(spec, rank, world_size, window_size=4, step_interval=8, load_phase=load_phase)
+        controller = stack.controller
+        placements, recorded, mismatched_steps = [], [], []
+        for step in range(steps):
+            # ranks disagree on the phase of a batch: each filters its own load, all step together
+            is_prefill = (step + rank) % 3 == 0
+            pointer = stack.rank_layers[0].tables.lookup.data_ptr()
+            stack.forward(skewed_batch(spec, step, rank, drift_every=10), is_prefill=is_prefill)
+            recorded.append((is_prefill, bool(stack.flags.record_enabled)))
+            assert stack.rank_layers[0].tables.lookup.data_ptr() == pointer
+            placements.append(controller.placements())
+            if not stack.local_weights_match_placement():
+                mismatched_steps.append(step)
+            # the lookup routes by exactly upstream's committed placement
+            for layer, committed in zip(stack.rank_layers, controller.placements()):
+                assert torch.equal(layer.tables.physical_to_logical, committed)
+        return {
+            "max_abs_diff": max(stack.max_abs_diff),
+            "stats": vars(controller.stats),
+            "distinct_placements": len({tuple(p.flatten().tolist()) for p in placements}),
+            "mismatched_steps": mismatched_steps,
+            "bytes_received": controller.communicator.bytes_received,
+            "recorded": recorded,
+            "upstream_step": controller.state.expert_rearrangement_step,
+            "rejected": controller.compat.health.rejected_placements,
+        }
+
+
+def upstream_rearrange_with_our_communicator(rank, world_size, init_method):
+    """Drives upstream's own rearrange_expert_weights_inplace with GlooStagedCommunicator."""
+    from vllm.distributed.eplb.rebalance_execute import rearrange_expert_weights_inplace
+    from vllm.distributed.parallel_state import get_ep_group, get_eplb_group
+
+    from eplb_graph.mover import GlooStagedCommunicator
+
+    spec, context = _setup(rank, world_size, init_method)
+    with context:
+        num_layers, num_physical, num_local = 2, 12, 12 // world_size
+        gen = torch.Generator().manual_seed(7)
+        logical = [[torch.randn(8, 6, 5, generator=gen), torch.randn(8, 3, generator=gen)] for _ in range(num_layers)]
+        old = torch.stack([torch.cat([torch.arange(8), torch.arange(4)]) for _ in range(num_layers)])
+        new = torch.stack([torch.cat([torch.arange(8), torch.randint(0, 8, (4,), generator=gen)])[torch.randperm(12, generator=gen)]
+                           for _ in range(num_layers)])
+        local = slice(rank * num_local, (rank + 1) * num_local)
+        weights = [[w[old[i, local]].clone() for w in logical[i]] for i in range(num_layers)]
+        buffers = [torch.empty_like(w) for w in weights[0]]
+        communicator = GlooStagedCommunicator(get_eplb_group().cpu_group, timeout_s=20)
+        rearrange_expert_weights_inplace(old, new, weights, buffers, get_ep_group().device_group, communicator)
+        direct = [[w[new[i, local]] for w in logical[i]] for i in range(num_layers)]
+        return {
+            "equal": all(torch.equal(a, b) for layer_a, layer_b in zip(weights, direct) for a, b in zip(layer_a, layer_b)),
+            "bytes_received": communicator.bytes_received,
+        }
+
+
+def peer_dies_mid_transfer(rank, world_size, init_method):
+    from eplb_graph import mover
+    from eplb_graph.ep_runtime import build_rank_stack, skewed_batch
+
+    spec, context = _setup(rank, world_size, init_method)
+    with context:
+        stack = build_rank_stack(spec, rank, world_size, window_size=4, step_interval=8, transfer_timeout_s=10)
+        execute, transfers = mover.GlooStagedCommunicator.execute, []
+
+        def execute_then_maybe_die(self):
+            if self._ops:
+                transfers.append(time.monotonic())
+                if rank == world_size - 1 and len(transfers) == 3:
+                    os._exit(17)  # the peer vanishes in the middle of a rearrangement
+            return execute(self)
+
+        mover.GlooStagedCommunicator.execute = execute_then_maybe_die
+        committed_before = None
+        try:
+            for step in range(300):
+                committed_before = stack.controller.placements()
+                stack.forward(skewed_batch(spec, step, rank, drift_every=10))
+        except Exception as error:
+            return {
+                "error_type": type(error).__name__,
+                "message": str(error),
+                "seconds_after_death": time.monotonic() - transfers[-1] if transfers else None,
+                "weights_match_lookup": stack.local_weights_match_placement(),
+                "lookup_is_committed": all(
+                    torch.equal(layer.tables.physical_to_logical, row)
+                    for layer, row in zip(stack.rank_layers, stack.controller.placements())
+                ),
+                "placement_unchanged_by_failure": torch.equal(committed_before, stack.controller.placements()),
+            }
+        return {"error_type": None}
+
+
+def invalid_policy_output_is_rejected(rank, world_size, init_method):
+    from eplb_graph.ep_runtime import build_rank_stack, skewed_batch
+
+    spec, context = _setup(rank, world_size, init_method)
+    with context:
+        stack = build_rank_stack(spec, rank, world_size, window_size=4, step_interval=8)
+
+        class BrokenPolicy:
+            @classmethod
+            def rebalance_experts(cls, weight, num_replicas, *args, **kwargs):
+                placement = torch.arange(num_replicas).repeat(weight.shape[0], 1)
+                placement[:, 0] = 999  # a logical id that does not exist
+                return placement
+
+        stack.controller.state.policy = BrokenPolicy
+        before = [(layer.tables.lookup.clone(), [w.clone() for w in layer.weight_view]) for layer in stack.rank_layers]
+        bytes_before = stack.controller.communicator.bytes_received
+        for step in range(24):
+            stack.forward(skewed_batch(spec, step, rank))
+        unchanged = all(
+            torch.equal(layer.tables.lookup, lookup) and all(torch.equal(a, b) for a, b in zip(layer.weight_view, weights))
+            for layer, (lookup, weights) in zip(stack.rank_layers, before)
+        )
+        return {
+            "rejected": stack.controller.compat.health.rejected_placements,
+            "unchanged": unchanged,
+            "bytes_moved": stack.controller.communicator.bytes_received - bytes_before,
+            "max_abs_diff": max(stack.max_abs_diff),
+        }
