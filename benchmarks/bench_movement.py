@@ -1,0 +1,173 @@
+"""Movement plane, measured side by side in one run (JSON out).
+
+Two EP ranks (processes, gloo on loopback) run a stack of MoE layers under upstream's
+async EPLB through our adapters. Reported, per rank:
+  * per-layer move: seconds and MB/s through GlooStagedCommunicator.execute, next to this
+    machine's memcpy bandwidth measured in the same process;
+  * main-thread commit cost per layer (upstream's move-from-buffer + map commit + our
+    in-place lookup refresh, i.e. the end_batch steps that committed a layer, minus a
+    steady end_batch);
+  * forward latency p50/p99: steady state, while an async rearrangement runs, and the
+    step that carries a synchronous rearrangement (upstream's
+    rearrange_expert_weights_inplace over every layer, inline, as its sync path does).
+Target: p99 during async rearrangement <= 1.15 x steady p50.
+
+    python benchmarks/bench_movement.py --out out/bench_movement.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def memcpy_gb_per_s(num_bytes: int = 64 << 20) -> float:
+    src, dst = torch.empty(num_bytes, dtype=torch.uint8), torch.empty(num_bytes, dtype=torch.uint8)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return num_bytes / min(times) / 1e9
+
+
+def rank_main(rank, world_size, init_method, spec_kwargs, steps, window, interval):
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.eplb.rebalance_execute import rearrange_expert_weights_inplace
+    from vllm.distributed.parallel_state import get_ep_group
+
+    from eplb_graph import mover
+    from eplb_graph.ep_runtime import StackSpec, build_rank_stack, skewed_batch
+    from eplb_graph.expert_parallel import init_expert_parallel
+
+    torch.set_num_threads(1)
+    spec = StackSpec(**spec_kwargs)
+    config = init_expert_parallel(rank, world_size, init_method, num_redundant_experts=spec.num_redundant,
+                                  window_size=window, step_interval=interval, timeout_s=60)
+    moves = []
+    execute = mover.GlooStagedCommunicator.execute
+
+    def timed_execute(self):
+        if not self._ops:
+            return execute(self)
+        before = self.bytes_received + self.bytes_sent
+        start = time.perf_counter()
+        execute(self)
+        moves.append((time.perf_counter() - start, self.bytes_received + self.bytes_sent - before))
+
+    mover.GlooStagedCommunicator.execute = timed_execute
+    with set_current_vllm_config(config):
+        stack = build_rank_stack(spec, rank, world_size, window_size=window, step_interval=interval)
+        controller = stack.controller
+        steady, rearranging, commit_steps, steady_end = [], [], [], []
+        for step in range(steps):
+            x = skewed_batch(spec, step, rank, drift_every=interval)
+            busy = controller.rebalancing
+            committed = controller.stats.layers_committed
+            start = time.perf_counter()
+            controller.begin_batch(num_unpadded_tokens=x.shape[0], is_prefill=False)
+            for layer in stack.layers:
+                x = x + layer(x)
+            forward_done = time.perf_counter()
+            controller.end_batch()
+            end = time.perf_counter()
+            if step < 4:
+                continue  # warm-up
+            (rearranging if busy else steady).append((end - start) * 1e3)
+            if controller.stats.layers_committed > committed:
+                commit_steps.append((end - forward_done) * 1e3)
+            elif not busy:
+                steady_end.append((end - forward_done) * 1e3)
+
+        # The synchronous path: one step that forwards and then rearranges every layer inline.
+        old = controller.placements()
+        new = old[:, torch.randperm(old.shape[1], generator=torch.Generator().manual_seed(1))]
+        weights = [layer.weight_view for layer in stack.rank_layers]
+        buffers = [torch.empty_like(w) for w in weights[0]]
+        sync_steps = []
+        for _ in range(3):
+            x = skewed_batch(spec, 0, rank)
+            start = time.perf_counter()
+            for layer in stack.layers:
+                x = x + layer(x)
+            rearrange_expert_weights_inplace(old, new, weights, buffers, get_ep_group().device_group, controller.communicator)
+            sync_steps.append((time.perf_counter() - start) * 1e3)
+            old, new = new, old
+        controller.close()
+
+    move_s = [s for s, _ in moves]
+    move_mb = [b / 1e6 for _, b in moves]
+    steady_p50 = statistics.median(steady)
+    return {
+        "rank": rank,
+        "rearranging_ms": [round(v, 1) for v in rearranging],
+        "steps": steps,
+        "rearrangements_finished": controller.stats.rearrangements_finished,
+        "layers_committed": controller.stats.layers_committed,
+        "layer_move_ms_p50": round(statistics.median(move_s) * 1e3, 3) if moves else None,
+        "layer_move_mb": round(statistics.median(move_mb), 3) if moves else None,
+        "staging_mb_per_s": round(sum(move_mb) / sum(move_s), 1) if moves else None,
+        "memcpy_mb_per_s": round(memcpy_gb_per_s() * 1e3, 1),
+        "commit_ms_per_layer_p50": round(statistics.median(commit_steps) - statistics.median(steady_end), 3)
+        if commit_steps and steady_end else None,
+        "steady_p50_ms": round(steady_p50, 3),
+        "steady_p99_ms": round(_percentile(steady, 99), 3),
+        "rearranging_p50_ms": round(statistics.median(rearranging), 3) if rearranging else None,
+        "rearranging_p99_ms": round(_percentile(rearranging, 99), 3) if rearranging else None,
+        "sync_rearrange_step_ms_p50": round(statistics.median(sync_steps), 3),
+        "rearranging_p99_over_steady_p50": round(_percentile(rearranging, 99) / steady_p50, 3) if rearranging else None,
+        "sync_step_over_steady_p50": round(statistics.median(sync_steps) / steady_p50, 3),
+    }
+
+
+def main() -> None:
+    from eplb_graph.launch import run_ranks
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--intermediate", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--redundant", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per rank per step")
+    parser.add_argument("--format", default="unquantized")
+    parser.add_argument("--window", type=int, default=4)
+    parser.add_argument("--interval", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=Path("out/bench_movement.json"))
+    args = parser.parse_args()
+    spec = dict(num_layers=args.layers, num_logical=args.experts, num_redundant=args.redundant, hidden=args.hidden,
+                intermediate=args.intermediate, top_k=2, tokens_per_rank=args.tokens, weight_format=args.format)
+    results = run_ranks(rank_main, args.ranks, spec, args.steps, args.window, args.interval, timeout_s=600)
+    worst = max(r["rearranging_p99_over_steady_p50"] or 0 for r in results)
+    report = {
+        "benchmark": "async Gloo-staged EPLB movement vs steady state vs synchronous rearrangement",
+        "config": vars(args) | {"out": str(args.out)},
+        "ranks": results,
+        "rearranging_p99_over_steady_p50_worst_rank": worst,
+        "target": 1.15,
+        "meets_target": worst <= 1.15,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    keys = ["layer_move_ms_p50", "layer_move_mb", "staging_mb_per_s", "memcpy_mb_per_s", "commit_ms_per_layer_p50",
+            "steady_p50_ms", "rearranging_p99_ms", "sync_rearrange_step_ms_p50", "rearranging_p99_over_steady_p50"]
+    for key in keys:
+        print(f"{key:>34}: " + "  ".join(f"{r[key]}" for r in results))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
