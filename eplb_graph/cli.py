@@ -51,6 +51,106 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0 if report["verifier_ok"] and not report["unattributed"] else 1
 
 
+def _run_config(args: argparse.Namespace, **overrides):
+    from eplb_graph.runner import RunConfig
+
+    fields = dict(
+        mode=args.mode, device=args.device, ranks=args.ranks, steps=args.steps, weight_format=args.format,
+        num_experts=args.experts, num_redundant=args.redundant, top_k=args.top_k, num_layers=args.layers,
+        seed=args.seed, step_interval=args.interval, window_size=args.interval,
+    )
+    fields.update(overrides)
+    config = RunConfig(**fields)
+    config.validate()  # every bad input fails here, before a process starts
+    return config
+
+
+def _run(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from eplb_graph.launch import run_ranks
+    from eplb_graph.run_report import failed_invariants, summarize, write_plots
+    from eplb_graph.runner import run_rank
+
+    config = _run_config(args, progress=not args.json)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        import torch.distributed as dist
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if world != config.ranks:
+            raise ValueError(f"--ranks {config.ranks} but torchrun started {world} processes")
+        mine = run_rank(rank, world, "env://", config)
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if rank != 0:
+            return 0
+        results = gathered
+    else:
+        results = run_ranks(run_rank, config.ranks, config, timeout_s=args.timeout)
+    report = summarize(config, results)
+    problems = failed_invariants(report)
+    report["failed_invariants"] = problems
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    plots = write_plots(out, config, results)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"{report['steps']} steps, {report['ranks']} ranks, mode {report['mode']}: balancedness without EPLB "
+            f"{report['balancedness_without_eplb']}, before first rebalance {report['balancedness_before']}, after "
+            f"{report['balancedness_after']}; {report['rearrangements']} rearrangements, {report['layers_committed']} "
+            f"layer commits; output mismatches {report['output_mismatches']} (max |diff| {report['max_abs_diff']:.2e}); "
+            f"recompiles {report['recompiles']}, recaptures {report['recaptures']}; step p50 {report['step_p50_ms']} ms"
+        )
+        for path in [out / "report.json", *plots]:
+            print(f"wrote {path}")
+        for problem in problems:
+            print(f"FAILED: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eplb_graph.bench import format_table, run_bench, write_chart
+
+    config = _run_config(args)
+    modes = ("eager", "compiled") if config.device == "cpu" else ("eager", "compiled", "graph")
+    report = run_bench(config, modes, args.steps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    chart = write_chart(out, report)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_table(report))
+        print(f"wrote {out / 'bench.json'}\nwrote {chart}")
+    return 0
+
+
+def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode: str = "compiled") -> None:
+    from eplb_graph.runner import DEVICES, MODES
+
+    parser.add_argument("--mode", default=mode, help=f"one of {', '.join(MODES)}")
+    parser.add_argument("--device", default="cpu", help=f"one of {', '.join(DEVICES)}")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--format", default="unquantized", help="unquantized | w8a8_dynamic | w4a8")
+    parser.add_argument("--experts", type=int, default=16, help="logical experts per layer")
+    parser.add_argument("--redundant", type=int, default=4, help="redundant experts per layer")
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--interval", type=int, default=20, help="EPLB step interval (= load window), in steps")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds before a silent rank is declared dead")
+    parser.add_argument("--out", default="out")
+    parser.add_argument("--json", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eplb-graph", description="Graph-mode EPLB for MoE inference")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -73,16 +173,29 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--out", help="directory for the full before/after graphs (text, HTML) and report.json")
     inspect.add_argument("--json", action="store_true", help="print the machine-readable report")
     inspect.set_defaults(func=_inspect)
+
+    run = commands.add_parser("run", help="the main job: multi-rank MoE runtime with live EPLB")
+    _add_runtime_arguments(run, steps=300)
+    run.set_defaults(func=_run)
+
+    bench = commands.add_parser("bench", help="step latency: eager vs compiled, EPLB off / on-idle / rearranging")
+    _add_runtime_arguments(bench, steps=120)
+    bench.set_defaults(func=_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from eplb_graph.launch import RankFailure
+
     try:
         return args.func(args)
     except ValueError as error:
         print(f"eplb-graph: error: {error}", file=sys.stderr)
         return 2
+    except RankFailure as error:
+        print(f"eplb-graph: {error}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

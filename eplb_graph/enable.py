@@ -108,6 +108,30 @@ def _to_physical_layout_(weight: torch.Tensor, placement: torch.Tensor) -> nn.Pa
     return physical
 
 
+def make_eplb_backend(
+    bindings: list[RouterBinding],
+    inner: str | Callable,
+    records: list[CompiledGraphRecord],
+    live_tables: Callable[[str], object] | None = None,
+    *,
+    strict: bool = True,
+    verify_graphs: bool = True,
+) -> Callable:
+    """A torch.compile backend: insert EPLB routing into the Dynamo graph, verify it, then ``inner``."""
+    inner_backend = torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
+
+    def eplb_backend(graph_module: fx.GraphModule, example_inputs):
+        before = graph_module.print_readable(print_output=False)
+        result = insert_eplb_routing(graph_module.graph, bindings, strict=strict)
+        graph_module.recompile()
+        report = verify(graph_module, bindings, live_tables=live_tables, strict=strict) if verify_graphs else None
+        after = graph_module.print_readable(print_output=False)
+        records.append(CompiledGraphRecord(before, after, result, report, graph_module))
+        return inner_backend(graph_module, example_inputs)
+
+    return eplb_backend
+
+
 class EplbHandle:
     """EPLB state of one enabled model: layers, batch flags, the pass and its records."""
 
@@ -127,27 +151,17 @@ class EplbHandle:
     def layer(self, key: str) -> EplbLayer:
         return next(layer for layer in self.layers if layer.key == key)
 
-    def run_pass(self, graph_module: fx.GraphModule) -> CompiledGraphRecord:
-        """Inserts routing into a Dynamo graph module in place and verifies it."""
-        before = graph_module.print_readable(print_output=False)
-        result = insert_eplb_routing(graph_module.graph, self.bindings(), strict=self.options.strict)
-        graph_module.recompile()
-        report = None
-        if self.options.verify:
-            report = verify(graph_module, self.bindings(), live_tables=self.layer, strict=self.options.strict)
-        record = CompiledGraphRecord(before, graph_module.print_readable(print_output=False), result, report, graph_module)
-        self.compiled_graphs.append(record)
-        return record
-
     def backend(self, inner: str | Callable = "inductor") -> Callable:
         """A torch.compile backend: the EPLB pass on the Dynamo graph, then ``inner``."""
-        inner_backend = torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
+        return make_eplb_backend(
+            self.bindings(), inner, self.compiled_graphs, self.layer,
+            strict=self.options.strict, verify_graphs=self.options.verify,
+        )
 
-        def eplb_backend(graph_module: fx.GraphModule, example_inputs):
-            self.run_pass(graph_module)
-            return inner_backend(graph_module, example_inputs)
-
-        return eplb_backend
+    def run_pass(self, graph_module: fx.GraphModule) -> CompiledGraphRecord:
+        """Inserts routing into a Dynamo graph module in place and verifies it."""
+        self.backend(inner=lambda gm, example_inputs: gm)(graph_module, [])
+        return self.compiled_graphs[-1]
 
     def post_grad_pass(self) -> EplbPostGradPass:
         """For ``torch._inductor.config.post_grad_custom_post_pass``."""

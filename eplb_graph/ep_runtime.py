@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eplb_graph.controller import EplbController, EplbWorkerError, RankLayer
-from eplb_graph.expert_parallel import ExpertParallelMoE, reference_moe
+from eplb_graph.expert_parallel import ExpertParallelMoE, LinearTopKRouter, reference_moe
 from eplb_graph.layer_lookup import BatchFlags, LayerLookup, initial_placement
 from eplb_graph.weight_views import check_weight_view, expert_format
 
@@ -119,7 +119,7 @@ def build_rank_stack(
         tables = LayerLookup(spec.num_logical, spec.num_physical, placement=placement)
         rank_layer = RankLayer(f"ep{rank}.{index}", tables, flags, local_experts.weight_view())
         group = get_ep_group().device_group if ep_size > 1 else None
-        layers.append(ExpertParallelMoE(router, local_experts, rank_layer.key, spec.top_k, rank, ep_size, group))
+        layers.append(ExpertParallelMoE(LinearTopKRouter(router, spec.top_k), local_experts, rank_layer.key, rank, ep_size, group))
         rank_layers.append(rank_layer)
         references.append((router, logical_experts))
     controller = None

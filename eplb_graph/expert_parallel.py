@@ -12,6 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -57,57 +58,86 @@ def init_expert_parallel(
 
 
 class ExpertParallelMoE(nn.Module):
-    """Router (replicated, logical ids) -> EPLB routing op -> this rank's experts -> combine."""
+    """Router (replicated, logical ids) -> EPLB routing -> this rank's experts -> combine.
+
+    ``gate`` returns logical ids. With ``route_in_module`` the block calls
+    ``map_and_record_layer`` itself (eager); compiled, it is left to the EPLB pass, which
+    inserts the same op after the gate's top-k. Collectives are functional, so the block
+    traces into one graph under torch.compile.
+    """
 
     def __init__(
         self,
-        router_weight: torch.Tensor,  # [num_logical, H]
+        gate: nn.Module,  # returns (weights [T, K], logical ids [T, K])
         experts: ExpertWeights,  # this rank's physical slots
-        layer_key: str,
-        top_k: int,
+        layer_key: str | None,  # None: no EPLB, logical ids index experts directly
         ep_rank: int = 0,
         ep_size: int = 1,
         ep_group: dist.ProcessGroup | None = None,
+        shared_expert: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        self.router_weight = nn.Parameter(router_weight, requires_grad=False)
+        self.gate = gate
         self.experts = experts
+        self.shared_expert = shared_expert
         self.layer_key = layer_key
-        self.top_k = top_k
+        self.route_in_module = layer_key is not None
         self.ep_rank, self.ep_size, self.ep_group = ep_rank, ep_size, ep_group
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = F.linear(x, self.router_weight).softmax(dim=-1, dtype=torch.float32)  # [T, E]
-        weights, logical = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
-        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-        physical = torch.ops.eplb_graph.map_and_record_layer(logical, self.layer_key)  # [T, K] global
-        return weights, physical
 
     def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.ep_size == 1:
             return tensor
+        if torch.compiler.is_compiling():  # traceable into the graph
+            return funcol.all_gather_single(tensor.contiguous(), 0, self.ep_group)
+        # Eager: a synchronous collective. (Eager functional collectives on gloo corrupted the
+        # heap here when ranks ran ahead with several collectives in flight.)
         parts = [torch.empty_like(tensor) for _ in range(self.ep_size)]
         dist.all_gather(parts, tensor.contiguous(), group=self.ep_group)
         return torch.cat(parts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H], T equal on every rank
-        num_tokens = x.shape[0]
-        weights, physical = self.route(x)
-        all_x, all_weights, all_physical = self._gather(x), self._gather(weights), self._gather(physical)
+    def _sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return funcol.all_reduce(tensor, "sum", self.ep_group)
+        dist.all_reduce(tensor, group=self.ep_group)
+        return tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])  # [T, H], T equal on every rank
+        num_tokens = tokens.shape[0]
+        weights, expert_ids = self.gate(tokens)  # [T, K] each
+        if self.route_in_module:
+            expert_ids = torch.ops.eplb_graph.map_and_record_layer(expert_ids, self.layer_key)  # [T, K] physical
+        top_k = expert_ids.shape[1]
+        all_x, all_weights, all_ids = self._gather(tokens), self._gather(weights), self._gather(expert_ids)
         num_local = self.experts.num_experts
-        local = all_physical - self.ep_rank * num_local  # [W*T, K]
+        local = all_ids - self.ep_rank * num_local  # [W*T, K]
         mine = (local >= 0) & (local < num_local)
-        pairs = self.experts(all_x.repeat_interleave(self.top_k, dim=0), local.clamp(0, num_local - 1).reshape(-1))
-        out = (pairs * (all_weights * mine).reshape(-1, 1)).view(-1, self.top_k, x.shape[-1]).sum(1)  # [W*T, H]
+        pairs = self.experts(all_x.repeat_interleave(top_k, dim=0), local.clamp(0, num_local - 1).reshape(-1))
+        out = (pairs * (all_weights * mine).reshape(-1, 1)).view(-1, top_k, shape[-1]).sum(1)  # [W*T, H]
         if self.ep_size > 1:
-            dist.all_reduce(out, group=self.ep_group)
-        return out[self.ep_rank * num_tokens : (self.ep_rank + 1) * num_tokens]
+            out = self._sum_over_ranks(out)
+            out = out[self.ep_rank * num_tokens : (self.ep_rank + 1) * num_tokens]
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens)
+        return out.view(shape)
+
+
+class LinearTopKRouter(nn.Module):
+    """linear -> softmax -> top-k -> renormalise; returns (weights, logical ids)."""
+
+    def __init__(self, weight: torch.Tensor, top_k: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.top_k = top_k
+        self.num_experts = weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)  # [T, E]
+        weights, logical = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
+        return (weights / weights.sum(-1, keepdim=True)).to(x.dtype), logical
 
 
 def reference_moe(x: torch.Tensor, router_weight: torch.Tensor, experts: ExpertWeights, top_k: int) -> torch.Tensor:
     """The same MoE without EPLB: logical ids index logical experts directly, one process."""
-    probs = F.linear(x, router_weight).softmax(dim=-1, dtype=torch.float32)
-    weights, logical = torch.topk(probs, top_k, dim=-1)
-    weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-    pairs = experts(x.repeat_interleave(top_k, dim=0), logical.reshape(-1))
-    return (pairs * weights.reshape(-1, 1)).view(-1, top_k, x.shape[-1]).sum(1)
+    return ExpertParallelMoE(LinearTopKRouter(router_weight, top_k), experts, None)(x)

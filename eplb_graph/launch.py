@@ -35,6 +35,8 @@ def _entry(fn: Callable, rank: int, world_size: int, init_method: str, args: tup
         results.put((rank, True, fn(rank, world_size, init_method, *args)))
     except BaseException as error:  # reported to the launcher, then the process exits nonzero
         results.put((rank, False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+        results.close()
+        results.join_thread()  # flush the report before the process goes away
         raise SystemExit(1) from None
 
 

@@ -147,3 +147,18 @@ def invalid_policy_output_is_rejected(rank, world_size, init_method):
             "bytes_moved": stack.controller.communicator.bytes_received - bytes_before,
             "max_abs_diff": max(stack.max_abs_diff),
         }
+
+
+def run_rank_then_die(rank, world_size, init_method, cfg, die_rank, die_step):
+    """The runtime's rank body, except that rank `die_rank` vanishes at step `die_step`."""
+    from eplb_graph import runner
+
+    make_batch = runner.make_batch
+
+    def make_batch_or_die(spec, step, batch_rank):
+        if batch_rank == die_rank and step == die_step:
+            os._exit(17)
+        return make_batch(spec, step, batch_rank)
+
+    runner.make_batch = make_batch_or_die
+    return runner.run_rank(rank, world_size, init_method, cfg)

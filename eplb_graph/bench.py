@@ -1,0 +1,127 @@
+"""`eplb-graph bench`: capture vs eager, EPLB off / on-idle / on-while-rearranging, one run.
+
+For each available mode and EPLB setting it launches the multi-rank runtime and times
+decode steps (16 tokens per rank by default, the batch size the targets name):
+
+    off             no EPLB: logical ids index experts directly, no routing op
+    on_idle         EPLB on, identity placement, no rearrangement (interval > steps)
+    on_rearranging  EPLB on with frequent rearrangements: steps while an async
+                    rearrangement runs, next to the same run's steady steps
+
+Ratios are taken inside this one invocation, side by side, so the machine's noise hits
+every setting alike. On CPU the graph mode is the compiled mode and is not run twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from pathlib import Path
+
+from eplb_graph.launch import run_ranks
+from eplb_graph.runner import RunConfig, run_rank
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def _decode_steps(result: dict, rebalancing: bool | None) -> list[float]:
+    """Decode step times; rebalancing=None: all, True/False: only steps in / out of a rearrangement."""
+    return [
+        ms for ms, kind, busy in zip(result["step_ms"], result["kinds"], result["rebalancing"])
+        if kind == "decode" and (rebalancing is None or busy == rebalancing)
+    ]
+
+
+def _entry(mode: str, eplb: str, steps: list[float], results: list[dict], cfg: RunConfig) -> dict:
+    tokens = cfg.decode_tokens * cfg.ranks
+    return {
+        "mode": mode,
+        "eplb": eplb,
+        "p50_ms": round(statistics.median(steps), 3),
+        "p99_ms": round(_percentile(steps, 99), 3),
+        "tokens_per_s": round(tokens / (statistics.median(steps) / 1e3), 1),
+        "decode_steps": len(steps),
+        "compile_or_capture_s": round(max(r["compile_or_capture_s"] for r in results), 2),
+        "recompiles": max(r["recompiles"] for r in results),
+        "recaptures": max(r["recaptures"] for r in results),
+        "rearrangements": min(r["rearrangements_finished"] for r in results),
+    }
+
+
+def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int) -> dict:
+    results, ratios = [], {}
+    for mode in modes:
+        common = dict(mode=mode, steps=steps, check_outputs=False, progress=False)
+        off = run_ranks(run_rank, base.ranks, dataclasses.replace(base, eplb=False, **common), timeout_s=900)
+        idle = run_ranks(run_rank, base.ranks, dataclasses.replace(base, eplb=True, step_interval=steps * 10,
+                                                                   window_size=steps * 10, **common), timeout_s=900)
+        busy_cfg = dataclasses.replace(base, eplb=True, step_interval=10, window_size=10, **common)
+        busy = run_ranks(run_rank, base.ranks, busy_cfg, timeout_s=900)
+        off_steps = [ms for r in off for ms in _decode_steps(r, None)]
+        idle_steps = [ms for r in idle for ms in _decode_steps(r, None)]
+        rearranging = [ms for r in busy for ms in _decode_steps(r, True)]
+        steady = [ms for r in busy for ms in _decode_steps(r, False)]
+        entries = [
+            _entry(mode, "off", off_steps, off, base),
+            _entry(mode, "on_idle", idle_steps, idle, base),
+            _entry(mode, "on_rearranging", rearranging or steady, busy, busy_cfg),
+        ]
+        results.extend(entries)
+        ratios[mode] = {
+            "on_idle_over_off": round(entries[1]["p50_ms"] / entries[0]["p50_ms"], 3),
+            "rearranging_p99_over_steady_p50": round(_percentile(rearranging, 99) / statistics.median(steady), 3)
+            if rearranging else None,
+            "steady_p50_ms": round(statistics.median(steady), 3),
+        }
+    by_key = {(r["mode"], r["eplb"]): r for r in results}
+    if ("eager", "on_idle") in by_key and ("compiled", "on_idle") in by_key:
+        ratios["graph_speedup_over_eager_decode"] = round(
+            by_key[("eager", "on_idle")]["p50_ms"] / by_key[("compiled", "on_idle")]["p50_ms"], 3
+        )
+    return {
+        "device": base.device,
+        "ranks": base.ranks,
+        "steps_per_run": steps,
+        "decode_tokens_per_rank": base.decode_tokens,
+        "note": "on CPU the graph mode is the compiled mode (no capture exists on the host)",
+        "results": results,
+        "ratios": ratios,
+        "targets": {"on_idle_over_off": 1.05, "rearranging_p99_over_steady_p50": 1.15},
+    }
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{'mode':<9} {'eplb':<15} {'p50 ms':>8} {'p99 ms':>8} {'tok/s':>9} {'compile s':>9} {'recomp':>6} {'recapt':>6}"]
+    for r in report["results"]:
+        lines.append(
+            f"{r['mode']:<9} {r['eplb']:<15} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['tokens_per_s']:>9.0f} "
+            f"{r['compile_or_capture_s']:>9.1f} {r['recompiles']:>6} {r['recaptures']:>6}"
+        )
+    for mode, ratio in report["ratios"].items():
+        lines.append(f"{mode}: {ratio}")
+    return "\n".join(lines)
+
+
+def write_chart(out: Path, report: dict) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['mode']}\n{r['eplb']}" for r in report["results"]]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], [r["p50_ms"] for r in report["results"]], width=0.4, label="p50")
+    ax.bar([x + 0.2 for x in xs], [r["p99_ms"] for r in report["results"]], width=0.4, label="p99")
+    ax.set_xticks(list(xs), labels, fontsize=8)
+    ax.set_ylabel("decode step, ms")
+    ax.set_title(f"eplb-graph bench: {report['ranks']} ranks on {report['device']}")
+    ax.legend()
+    path = out / "bench.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

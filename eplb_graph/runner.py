@@ -1,0 +1,284 @@
+"""The main job: a reference MoE decoder over real EP ranks with live EPLB, step by step.
+
+One process per EP rank (``eplb_graph.launch``; the per-rank body ``run_rank`` also runs
+under torchrun). Each rank builds the same seeded model, keeps its slice of the physical
+experts, and runs server-shaped batches (``eplb_graph.workload``) in one of three modes:
+
+    eager     the EP model as written (the block calls map_and_record_layer itself)
+    compiled  torch.compile(fullgraph=True) with the EPLB pass inserting the routing op
+    graph     CUDA graph capture/replay per capture size on CUDA; on CPU, compiled mode
+              *is* the graph mode (there is no capture on the host)
+
+EPLB steps and layer commits happen only between forwards/replays (``begin_batch`` /
+``end_batch``). Every step checks the output against the no-EPLB model (logical experts,
+one process, the same expert kernels) and records balancedness from the global load.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from eplb_graph.workload import WorkloadSpec, make_batch
+
+MODES = ("eager", "compiled", "graph")
+DEVICES = ("cpu", "cuda", "npu")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    mode: str = "compiled"
+    device: str = "cpu"
+    ranks: int = 2
+    steps: int = 300
+    num_layers: int = 2
+    num_experts: int = 16
+    num_redundant: int = 4  # 25 % redundant experts
+    top_k: int = 4
+    hidden: int = 64
+    expert_intermediate: int = 64
+    shared_expert_intermediate: int = 64
+    vocab_size: int = 256
+    weight_format: str = "unquantized"
+    eplb: bool = True
+    window_size: int = 20
+    step_interval: int = 20
+    capture_sizes: tuple[int, ...] = (16, 64)
+    decode_tokens: int = 16
+    prefill_tokens: int = 48
+    drift_every: int = 100
+    hot_fraction: float = 0.02
+    hot_probability: float = 0.95
+    seed: int = 0
+    check_outputs: bool = True
+    tolerance: float = 1e-5
+    backend: str = "inductor"
+    progress: bool = False  # rank 0 shows a progress bar and one line per window
+
+    @property
+    def num_physical(self) -> int:
+        return self.num_experts + (self.num_redundant if self.eplb else 0)
+
+    def workload(self) -> WorkloadSpec:
+        return WorkloadSpec(
+            vocab_size=self.vocab_size, capture_sizes=tuple(self.capture_sizes), decode_tokens=self.decode_tokens,
+            prefill_tokens=self.prefill_tokens, drift_every=self.drift_every, seed=self.seed,
+            hot_fraction=self.hot_fraction, hot_probability=self.hot_probability,
+        )
+
+    def validate(self) -> None:
+        """Every check that can fail, before any process starts."""
+        from eplb_graph.weight_views import expert_format
+
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"unknown device {self.device!r}; expected one of {', '.join(DEVICES)}")
+        if self.device == "cuda":
+            # The runtime places models and activations on the host; device placement, NCCL for
+            # activations and CUDA graph capture are not built yet (see the README).
+            raise ValueError("device 'cuda' is not supported by the runtime yet (no GPU here to prove it); use cpu")
+        if self.device == "npu":
+            raise ValueError("device 'npu': the NPU runtime needs torch_npu and an ACL graph runner, not available here")
+        if self.ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {self.ranks}")
+        if self.num_physical % self.ranks:
+            raise ValueError(f"{self.num_physical} physical experts do not divide over {self.ranks} ranks")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in [1, {self.num_experts}], got {self.top_k}")
+        expert_format(self.weight_format)
+        self.workload().validate()
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+
+
+@dataclass
+class RankResult:
+    rank: int
+    step_ms: list[float] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+    rebalancing: list[bool] = field(default_factory=list)
+    rank_load: list[list[list[int]]] = field(default_factory=list)  # per step: [layers][ranks], all ranks' tokens
+    logical_load: list[list[list[int]]] = field(default_factory=list)  # per step: [layers][logical experts]
+    rearrangement_finished_steps: list[int] = field(default_factory=list)
+    layers_committed: int = 0
+    rearrangements_started: int = 0
+    rearrangements_finished: int = 0
+    output_mismatches: int = 0
+    max_abs_diff: float = 0.0
+    recompiles: int = 0
+    recaptures: int = 0
+    compile_or_capture_s: float = 0.0
+    verifier_ok: bool = True
+    routers_mapped: int = 0
+    tokens: int = 0
+
+
+def build_rank_models(cfg: RunConfig, rank: int, ep_size: int, group):
+    """(EPLB model on this rank, no-EPLB reference, RankLayers). Same seed on every rank."""
+    from eplb_graph.controller import RankLayer
+    from eplb_graph.expert_parallel import ExpertParallelMoE, LinearTopKRouter
+    from eplb_graph.layer_lookup import BatchFlags, LayerLookup, initial_placement
+    from eplb_graph.models.reference import ReferenceMoEConfig, build_reference_model
+    from eplb_graph.weight_views import check_weight_view, expert_format
+
+    fmt = expert_format(cfg.weight_format)
+    logical = build_reference_model(
+        ReferenceMoEConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
+            top_k=cfg.top_k, expert_intermediate_size=cfg.expert_intermediate,
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate,
+        ),
+        seed=cfg.seed,
+    )
+    reference, model = copy.deepcopy(logical), copy.deepcopy(logical)
+    redundant = cfg.num_physical - cfg.num_experts
+    placement = initial_placement(cfg.num_experts, redundant)
+    num_local = cfg.num_physical // ep_size
+    flags = BatchFlags()
+    rank_layers = []
+    for index, block in enumerate(logical.layers):
+        moe = block.mlp
+        logical_experts = fmt.from_float(moe.experts.w13.detach(), moe.experts.w2.detach())
+        reference.layers[index].mlp = ExpertParallelMoE(
+            LinearTopKRouter(moe.gate.weight.detach().clone(), cfg.top_k), logical_experts, None,
+            shared_expert=copy.deepcopy(moe.shared_expert),
+        )
+        local_slots = placement[rank * num_local : (rank + 1) * num_local]
+        local_experts = fmt(*[t[local_slots].clone() for t in logical_experts.weight_view()])
+        check_weight_view(local_experts, num_local)
+        key = None
+        if cfg.eplb:
+            tables = LayerLookup(cfg.num_experts, cfg.num_physical, placement=placement)
+            rank_layers.append(RankLayer(f"run{rank}.{index}", tables, flags, local_experts.weight_view()))
+            key = rank_layers[-1].key
+        model.layers[index].mlp = ExpertParallelMoE(
+            LinearTopKRouter(moe.gate.weight.detach().clone(), cfg.top_k), local_experts, key, rank, ep_size, group,
+            shared_expert=copy.deepcopy(moe.shared_expert),
+        )
+    return model.eval(), reference.eval(), rank_layers, flags
+
+
+def _global_loads(rank_layers, ep_size: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's load over all ranks' batches: per rank [L, ranks] and per logical expert [L, E]."""
+    import torch.distributed as dist
+
+    load = torch.stack([layer.tables.load.to(torch.int64) for layer in rank_layers])  # [L, P]
+    if ep_size > 1:
+        dist.all_reduce(load, group=group)
+    num_logical = rank_layers[0].tables.num_logical_experts
+    logical = torch.stack([
+        torch.zeros(num_logical, dtype=torch.int64).index_add_(0, layer.tables.physical_to_logical, row)
+        for layer, row in zip(rank_layers, load)
+    ])
+    return load.view(load.shape[0], ep_size, -1).sum(-1), logical
+
+
+def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> dict:
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import get_ep_group
+
+    from eplb_graph.controller import EplbController
+    from eplb_graph.enable import make_eplb_backend
+    from eplb_graph.expert_parallel import init_expert_parallel
+    from eplb_graph.passes.router_sites import RouterBinding
+
+    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    config = init_expert_parallel(
+        rank, world_size, init_method, num_redundant_experts=cfg.num_physical - cfg.num_experts,
+        window_size=cfg.window_size, step_interval=cfg.step_interval, timeout_s=60,
+    )
+    result = RankResult(rank)
+    with set_current_vllm_config(config), torch.no_grad():
+        group = get_ep_group().device_group if world_size > 1 else None
+        cpu_group = get_ep_group().cpu_group
+        model, reference, rank_layers, flags = build_rank_models(cfg, rank, world_size, group)
+        controller = None
+        if cfg.eplb:
+            controller = EplbController(
+                rank_layers, num_logical=cfg.num_experts, num_physical=cfg.num_physical,
+                window_size=cfg.window_size, step_interval=cfg.step_interval,
+            )
+        forward = model
+        records = []
+        if cfg.mode in ("compiled", "graph"):
+            bindings = []
+            for index, block in enumerate(model.layers):
+                if cfg.eplb:
+                    block.mlp.route_in_module = False  # the pass inserts the routing op instead
+                    bindings.append(RouterBinding(rank_layers[index].key, f"layers.{index}.mlp.gate", cfg.num_experts, cfg.top_k))
+            backend = make_eplb_backend(bindings, cfg.backend, records, lambda key: next(l for l in rank_layers if l.key == key))
+            forward = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+
+        workload = cfg.workload()
+        progress = None
+        if cfg.progress and rank == 0:
+            from tqdm import tqdm
+
+            progress = tqdm(total=cfg.steps, desc=f"{cfg.mode} x{world_size} ranks", unit="step")
+        sizes_used = workload.capture_sizes_used()
+        seen_sizes: set[int] = set()
+        graphs_after_warmup = None
+        last_finished = 0
+        for step in range(cfg.steps):
+            batch = make_batch(workload, step, rank)
+            size = batch.tokens.shape[1]
+            busy = controller is not None and controller.rebalancing
+            if controller is not None:
+                controller.begin_batch(num_unpadded_tokens=batch.num_tokens, is_prefill=batch.is_prefill)
+            start = time.perf_counter()
+            out = forward(batch.tokens)
+            elapsed = time.perf_counter() - start
+            if size not in seen_sizes:  # first forward of a capture size: compile, not a step
+                seen_sizes.add(size)
+                result.compile_or_capture_s += elapsed
+                if seen_sizes == sizes_used:
+                    graphs_after_warmup = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            else:  # timed steps only, aligned lists
+                result.step_ms.append(elapsed * 1e3)
+                result.kinds.append(batch.kind)
+                result.rebalancing.append(busy)
+            result.tokens += batch.num_tokens
+            if cfg.eplb:  # read before end_batch: upstream folds the pass load into its window there
+                per_rank, logical_load = _global_loads(rank_layers, world_size, cpu_group)
+                result.rank_load.append(per_rank.tolist())
+                result.logical_load.append(logical_load.tolist())
+            if controller is not None:
+                controller.end_batch()
+                if controller.stats.rearrangements_finished > last_finished:
+                    last_finished = controller.stats.rearrangements_finished
+                    result.rearrangement_finished_steps.append(step)
+            if progress is not None:
+                progress.update(1)
+                if cfg.eplb and (step + 1) % cfg.step_interval == 0:
+                    window = torch.tensor(result.rank_load[-cfg.step_interval :]).sum(0).double()  # [L, ranks]
+                    balance = float((window.mean(-1) / window.max(-1).values.clamp_min(1)).mean())
+                    stats = controller.stats
+                    progress.write(
+                        f"steps {step + 2 - cfg.step_interval:>4}-{step + 1:<4} balancedness {balance:.3f}  "
+                        f"rearrangements started {stats.rearrangements_started} finished "
+                        f"{stats.rearrangements_finished}  layers committed {stats.layers_committed}"
+                    )
+            if cfg.check_outputs:
+                expected = reference(batch.tokens)
+                real = slice(0, batch.num_tokens)
+                diff = float((out[:, real] - expected[:, real]).abs().max())
+                result.max_abs_diff = max(result.max_abs_diff, diff)
+                if not torch.allclose(out[:, real], expected[:, real], rtol=cfg.tolerance, atol=cfg.tolerance):
+                    result.output_mismatches += 1
+
+        if graphs_after_warmup is not None:
+            result.recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_after_warmup
+        if progress is not None:
+            progress.close()
+        result.verifier_ok = all(r.report is None or r.report.ok for r in records)
+        result.routers_mapped = min((r.result.routers_mapped for r in records), default=0)
+        if controller is not None:
+            result.layers_committed = controller.stats.layers_committed
+            result.rearrangements_started = controller.stats.rearrangements_started
+            result.rearrangements_finished = controller.stats.rearrangements_finished
+            controller.close()
+    return asdict(result)

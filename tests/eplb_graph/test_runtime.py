@@ -1,0 +1,106 @@
+"""The main job (`eplb-graph run`) and the capture-vs-eager benchmark (`eplb-graph bench`)."""
+
+import json
+import time
+
+import pytest
+
+from eplb_graph.cli import main
+from eplb_graph.launch import RankFailure, run_ranks
+from eplb_graph.runner import RunConfig
+from eplb_graph.workload import WorkloadSpec, capture_size_for, make_batch
+from tests.eplb_graph import multirank_cases
+
+
+def _run(capsys, tmp_path, *args):
+    code = main(["run", "--json", "--out", str(tmp_path), *args])
+    report = json.loads(capsys.readouterr().out)
+    return code, report
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_run_rebalances_live_with_outputs_checked_every_step(mode, capsys, tmp_path):
+    code, report = _run(capsys, tmp_path, "--mode", mode, "--steps", "70", "--interval", "10")
+    assert code == 0, report["failed_invariants"]
+    for key in ("balancedness_before", "balancedness_after", "rearrangements", "layers_committed",
+                "output_mismatches", "recompiles", "recaptures", "steps", "mode", "ranks"):
+        assert key in report
+    assert report["mode"] == mode and report["ranks"] == 2 and report["steps"] == 70
+    assert report["output_mismatches"] == 0 and report["max_abs_diff"] <= report["tolerance"]
+    assert report["rearrangements"] >= 5
+    assert report["layers_committed"] == 2 * report["rearrangements"]
+    assert report["recompiles"] == 0 and report["recaptures"] == 0
+    assert report["balancedness_after"] > report["balancedness_without_eplb"]
+    if mode == "compiled":
+        assert report["verifier_ok"] and report["routers_mapped"] == 2
+    assert json.loads((tmp_path / "report.json").read_text()) == report
+    assert (tmp_path / "balancedness.png").stat().st_size > 0
+    assert (tmp_path / "rank_load_heatmap.png").stat().st_size > 0
+
+
+def test_quantized_format_runs_under_compile(capsys, tmp_path):
+    code, report = _run(capsys, tmp_path, "--mode", "compiled", "--format", "w4a8", "--steps", "30", "--interval", "10")
+    assert code == 0 and report["weight_format"] == "w4a8" and report["output_mismatches"] == 0
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--mode", "turbo"], "unknown mode 'turbo'"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--ranks", "3"], "20 physical experts do not divide over 3 ranks"),
+        (["--format", "gptq_marlin"], "quantization format 'gptq_marlin' is not supported"),
+        (["--device", "npu"], "device 'npu'"),
+    ],
+)
+def test_bad_input_fails_before_any_process_starts(args, message, capsys, tmp_path):
+    start = time.monotonic()
+    assert main(["run", "--out", str(tmp_path), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert time.monotonic() - start < 5  # no process was launched
+
+
+def test_a_batch_larger_than_every_capture_size_is_rejected():
+    with pytest.raises(ValueError, match="prefill_tokens=100 exceeds the largest capture size 64"):
+        RunConfig(prefill_tokens=100).validate()
+    with pytest.raises(ValueError, match="exceeds every capture size"):
+        capture_size_for(65, (16, 64))
+
+
+def test_workload_is_seeded_padded_and_drifts():
+    spec = WorkloadSpec(vocab_size=256, drift_every=10)
+    first, again = make_batch(spec, 3, 1), make_batch(spec, 3, 1)
+    assert first.tokens.equal(again.tokens)
+    assert first.kind == "decode" and first.tokens.shape == (1, 16)
+    prefill = make_batch(spec, 0, 0)
+    assert prefill.is_prefill and prefill.tokens.shape == (1, 64) and prefill.num_tokens == 48
+    assert (prefill.tokens[0, 48:] == 0).all()
+    mixed = make_batch(spec, 8, 0)
+    assert mixed.kind == "mixed" and mixed.is_prefill
+    early = {int(t) for step in range(1, 8) for t in make_batch(spec, step, 0).tokens[0]}
+    late = {int(t) for step in range(21, 28) for t in make_batch(spec, step, 0).tokens[0]}
+    assert early != late  # the hot slice moved
+
+
+def test_a_dying_rank_stops_the_run_naming_it():
+    cfg = RunConfig(mode="eager", steps=200, check_outputs=False)
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(multirank_cases.run_rank_then_die, 2, cfg, 1, 12, timeout_s=120)
+    assert failure.value.failures[1] == "process died with exit code 17"
+    assert "Connection" in failure.value.failures[0] or "peer" in failure.value.failures[0]
+    assert time.monotonic() - start < 90
+
+
+def test_bench_reports_every_mode_and_setting(capsys, tmp_path):
+    assert main(["bench", "--json", "--steps", "40", "--out", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    settings = {(r["mode"], r["eplb"]) for r in report["results"]}
+    assert settings == {(m, e) for m in ("eager", "compiled") for e in ("off", "on_idle", "on_rearranging")}
+    for result in report["results"]:
+        for key in ("p50_ms", "p99_ms", "tokens_per_s", "recompiles", "recaptures"):
+            assert key in result
+        assert result["p99_ms"] >= result["p50_ms"] > 0
+    for mode in ("eager", "compiled"):
+        assert set(report["ratios"][mode]) >= {"on_idle_over_off", "rearranging_p99_over_steady_p50"}
+    assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.png").exists()
