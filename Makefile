@@ -17,7 +17,7 @@ $(STAMP): requirements/cpu.txt requirements/dev.txt pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/eplb-graph demo
+	$(VENV)/bin/eplb-graph run --out $(OUT)/run
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q tests
