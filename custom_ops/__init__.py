@@ -9,7 +9,8 @@
          see layer_routing.py)
 
 Kernels per dispatch key:
-  CPU          torch composite (custom_ops/routing.py)
+  CPU          a numba loop (custom_ops/cpu_routing.py) where numba imports, else the torch
+               composite (custom_ops/routing.py)
   CUDA         one Triton launch where Triton is importable, else the torch composite
   PrivateUse1  torch composite (torch_npu implements the aten ops it uses); torch_npu is
                never imported here -- the registration is inert until an NPU backend exists
@@ -33,6 +34,10 @@ def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _numba_available() -> bool:
+    return importlib.util.find_spec("numba") is not None
+
+
 def _register(lib: torch.library.Library) -> None:
     lib.define(routing.MAP_TO_PHYSICAL_SCHEMA)
     lib.define(routing.RECORD_LOAD_SCHEMA)
@@ -43,22 +48,29 @@ def _register(lib: torch.library.Library) -> None:
         "record_load": routing.record_load_kernel,
         "map_and_record": routing.map_and_record_kernel,
     }
+    cpu = dict(composite)
+    if _numba_available():
+        from . import cpu_routing
+
+        cpu["map_to_physical"] = routing.checked_map_to_physical(cpu_routing.map_to_physical_cpu)
+        cpu["record_load"] = routing.checked_record_load(cpu_routing.record_load_cpu)
+        cpu["map_and_record"] = routing.checked_map_and_record(cpu_routing.map_and_record_cpu)
     cuda = dict(composite)
     if _triton_available():
         from . import triton_routing
 
-        cuda["map_to_physical"] = triton_routing.map_to_physical_cuda
-        cuda["map_and_record"] = triton_routing.map_and_record_cuda
+        cuda["map_to_physical"] = routing.checked_map_to_physical(triton_routing.map_to_physical_cuda)
+        cuda["map_and_record"] = routing.checked_map_and_record(triton_routing.map_and_record_cuda)
 
     for name in ("map_to_physical", "record_load", "map_and_record"):
-        lib.impl(name, composite[name], "CPU")
+        lib.impl(name, cpu[name], "CPU")
         lib.impl(name, cuda[name], "CUDA")
         lib.impl(name, composite[name], "PrivateUse1")
 
     torch.library.register_fake(f"{NAMESPACE}::map_to_physical", routing.map_to_physical_fake, lib=lib)
     torch.library.register_fake(f"{NAMESPACE}::record_load", routing.record_load_fake, lib=lib)
     torch.library.register_fake(f"{NAMESPACE}::map_and_record", routing.map_and_record_fake, lib=lib)
-    layer_routing.register(lib, cuda_map_and_record=cuda["map_and_record"])
+    layer_routing.register(lib, cpu["map_and_record"], cuda["map_and_record"])
 
 
 def _already_registered() -> bool:

@@ -88,10 +88,10 @@ def map_and_record_layer_fake(topk_ids: torch.Tensor, layer: str) -> torch.Tenso
     return torch.empty_like(topk_ids)
 
 
-def register(lib: torch.library.Library, cuda_map_and_record=None) -> None:
+def register(lib: torch.library.Library, cpu_map_and_record, cuda_map_and_record) -> None:
+    """Registers the op with the same per-device map_and_record kernels as the table-taking op."""
     lib.define(MAP_AND_RECORD_LAYER_SCHEMA)
-    composite = _make_kernel(routing.map_and_record_kernel)
-    lib.impl("map_and_record_layer", composite, "CPU")
-    lib.impl("map_and_record_layer", _make_kernel(cuda_map_and_record or routing.map_and_record_kernel), "CUDA")
-    lib.impl("map_and_record_layer", composite, "PrivateUse1")
+    lib.impl("map_and_record_layer", _make_kernel(cpu_map_and_record), "CPU")
+    lib.impl("map_and_record_layer", _make_kernel(cuda_map_and_record), "CUDA")
+    lib.impl("map_and_record_layer", _make_kernel(routing.map_and_record_kernel), "PrivateUse1")
     torch.library.register_fake("eplb_graph::map_and_record_layer", map_and_record_layer_fake, lib=lib)

@@ -140,25 +140,37 @@ def map_and_record_composite(
     return physical
 
 
-# --- kernels registered per dispatch key -------------------------------------------
+# --- kernels registered per dispatch key: argument checks, then an implementation -----
 
 
-def map_to_physical_kernel(topk_ids, lookup, replica_count):
-    check_routing_args(topk_ids, lookup, replica_count)
-    return map_to_physical_composite(topk_ids, lookup, replica_count)
+def checked_map_to_physical(impl):
+    def map_to_physical_kernel(topk_ids, lookup, replica_count):
+        check_routing_args(topk_ids, lookup, replica_count)
+        return impl(topk_ids, lookup, replica_count)
+
+    return map_to_physical_kernel
 
 
-def record_load_kernel(physical_ids, load, record_enabled, num_unpadded_tokens):
-    check_record_args(physical_ids, load, record_enabled, num_unpadded_tokens)
-    record_load_composite(physical_ids, load, record_enabled, num_unpadded_tokens)
+def checked_record_load(impl):
+    def record_load_kernel(physical_ids, load, record_enabled, num_unpadded_tokens):
+        check_record_args(physical_ids, load, record_enabled, num_unpadded_tokens)
+        impl(physical_ids, load, record_enabled, num_unpadded_tokens)
+
+    return record_load_kernel
 
 
-def map_and_record_kernel(topk_ids, lookup, replica_count, load, record_enabled, num_unpadded_tokens):
-    check_routing_args(topk_ids, lookup, replica_count)
-    check_record_args(topk_ids, load, record_enabled, num_unpadded_tokens)
-    return map_and_record_composite(
-        topk_ids, lookup, replica_count, load, record_enabled, num_unpadded_tokens
-    )
+def checked_map_and_record(impl):
+    def map_and_record_kernel(topk_ids, lookup, replica_count, load, record_enabled, num_unpadded_tokens):
+        check_routing_args(topk_ids, lookup, replica_count)
+        check_record_args(topk_ids, load, record_enabled, num_unpadded_tokens)
+        return impl(topk_ids, lookup, replica_count, load, record_enabled, num_unpadded_tokens)
+
+    return map_and_record_kernel
+
+
+map_to_physical_kernel = checked_map_to_physical(map_to_physical_composite)
+record_load_kernel = checked_record_load(record_load_composite)
+map_and_record_kernel = checked_map_and_record(map_and_record_composite)
 
 
 # --- fake (meta) implementations: shapes only, for tracing ------------------------

@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 from tests.routing_reference import map_to_physical_reference, record_load_reference
 
 from eplb_graph import BatchFlags, build_lookup, validate_placement
+from eplb_graph.custom_ops.routing import map_and_record_composite
 
 ops = torch.ops.eplb_graph
 
@@ -80,6 +81,11 @@ def test_map_and_record_matches_python_reference(
     assert physical.tolist() == expected
     assert ops.map_to_physical(ids, lookup, replica_count).tolist() == expected
     assert load.tolist() == record_load_reference(expected, load.numel(), record, num_unpadded)
+    # the torch composite (the NPU kernel and the CUDA fallback) holds to the same reference
+    composite_load = torch.zeros_like(load)
+    composite = map_and_record_composite(ids, lookup, replica_count, composite_load, record_enabled, num_unpadded_tokens)
+    assert composite.dtype == id_dtype and composite.tolist() == expected
+    assert torch.equal(composite_load, load)
 
 
 def test_every_replica_of_an_expert_is_used_and_rows_share_one_replica():
