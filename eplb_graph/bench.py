@@ -4,7 +4,8 @@ For each available mode and EPLB setting it launches the multi-rank runtime and 
 decode steps (16 tokens per rank by default, the batch size the targets name):
 
     off             no EPLB: logical ids index experts directly, no routing op
-    on_idle         EPLB on, identity placement, no rearrangement (interval > steps)
+    on_idle         EPLB on, identity placement, no rearrangement (interval > steps);
+                    off and on_idle run in the same processes, steps alternating
     on_rearranging  EPLB on with frequent rearrangements: steps while an async
                     rearrangement runs, next to the same run's steady steps
 
@@ -18,8 +19,13 @@ import dataclasses
 import statistics
 from pathlib import Path
 
+import time
+
+import torch
+
 from eplb_graph.launch import run_ranks
-from eplb_graph.runner import RunConfig, run_rank
+from eplb_graph.runner import RunConfig, build_rank_models, prepare_forward, run_rank
+from eplb_graph.workload import make_batch
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -35,7 +41,58 @@ def _decode_steps(result: dict, rebalancing: bool | None) -> list[float]:
     ]
 
 
-def _entry(mode: str, eplb: str, steps: list[float], results: list[dict], cfg: RunConfig) -> dict:
+def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> dict:
+    """EPLB off and EPLB on (identity placement, never rearranging) in the same processes,
+    decode steps alternating between the two models, so both see the same machine."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import get_ep_group
+
+    from eplb_graph.controller import EplbController
+    from eplb_graph.expert_parallel import init_expert_parallel
+
+    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    on_cfg = dataclasses.replace(cfg, eplb=True, step_interval=cfg.steps * 10, window_size=cfg.steps * 10)
+    off_cfg = dataclasses.replace(cfg, eplb=False)
+    config = init_expert_parallel(rank, world_size, init_method, num_redundant_experts=on_cfg.num_redundant,
+                                  window_size=on_cfg.window_size, step_interval=on_cfg.step_interval, timeout_s=60)
+    with set_current_vllm_config(config), torch.no_grad():
+        group = get_ep_group().device_group if world_size > 1 else None
+        on_model, _, layers, _ = build_rank_models(on_cfg, rank, world_size, group)
+        off_model, _, _, _ = build_rank_models(off_cfg, rank, world_size, group)
+        controller = EplbController(layers, num_logical=cfg.num_experts, num_physical=on_cfg.num_physical,
+                                    window_size=on_cfg.window_size, step_interval=on_cfg.step_interval)
+        on_records: list = []
+        forwards = {"off": prepare_forward(off_model, off_cfg, [], []),
+                    "on_idle": prepare_forward(on_model, on_cfg, layers, on_records)}
+        workload = cfg.workload()
+        decode = [make_batch(workload, step, rank) for step in range(1, 8)]  # steps 1..7 are decode
+        compile_s = {}
+        for name, forward in forwards.items():
+            start = time.perf_counter()
+            controller.begin_batch(num_unpadded_tokens=decode[0].num_tokens, is_prefill=False)
+            forward(decode[0].tokens)
+            controller.end_batch()
+            compile_s[name] = time.perf_counter() - start
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        times: dict[str, list[float]] = {"off": [], "on_idle": []}
+        for step in range(cfg.steps):
+            batch = decode[step % len(decode)]
+            for name in ("off", "on_idle") if step % 2 else ("on_idle", "off"):
+                start = time.perf_counter()
+                if name == "on_idle":
+                    controller.begin_batch(num_unpadded_tokens=batch.num_tokens, is_prefill=False)
+                forwards[name](batch.tokens)
+                if name == "on_idle":
+                    controller.end_batch()
+                times[name].append((time.perf_counter() - start) * 1e3)
+        recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        controller.close()
+    return {"times": times, "compile_s": compile_s, "recompiles": recompiles,
+            "verifier_ok": all(r.report is None or r.report.ok for r in on_records)}
+
+
+def _entry(mode: str, eplb: str, steps: list[float], cfg: RunConfig, *, compile_s: float, recompiles: int,
+           rearrangements: int = 0) -> dict:
     tokens = cfg.decode_tokens * cfg.ranks
     return {
         "mode": mode,
@@ -44,30 +101,33 @@ def _entry(mode: str, eplb: str, steps: list[float], results: list[dict], cfg: R
         "p99_ms": round(_percentile(steps, 99), 3),
         "tokens_per_s": round(tokens / (statistics.median(steps) / 1e3), 1),
         "decode_steps": len(steps),
-        "compile_or_capture_s": round(max(r["compile_or_capture_s"] for r in results), 2),
-        "recompiles": max(r["recompiles"] for r in results),
-        "recaptures": max(r["recaptures"] for r in results),
-        "rearrangements": min(r["rearrangements_finished"] for r in results),
+        "compile_or_capture_s": round(compile_s, 2),
+        "recompiles": recompiles,
+        "recaptures": 0,  # no capture exists on the host; CUDA graph mode is not built yet
+        "rearrangements": rearrangements,
     }
 
 
 def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int) -> dict:
     results, ratios = [], {}
     for mode in modes:
-        common = dict(mode=mode, steps=steps, check_outputs=False, progress=False)
-        off = run_ranks(run_rank, base.ranks, dataclasses.replace(base, eplb=False, **common), timeout_s=900)
-        idle = run_ranks(run_rank, base.ranks, dataclasses.replace(base, eplb=True, step_interval=steps * 10,
-                                                                   window_size=steps * 10, **common), timeout_s=900)
+        common = dict(mode=mode, steps=steps, check_outputs=False, progress=False, collect_load_stats=False)
+        paired = run_ranks(idle_vs_off_rank, base.ranks, dataclasses.replace(base, **common), timeout_s=900)
         busy_cfg = dataclasses.replace(base, eplb=True, step_interval=10, window_size=10, **common)
         busy = run_ranks(run_rank, base.ranks, busy_cfg, timeout_s=900)
-        off_steps = [ms for r in off for ms in _decode_steps(r, None)]
-        idle_steps = [ms for r in idle for ms in _decode_steps(r, None)]
+        off_steps = [ms for r in paired for ms in r["times"]["off"]]
+        idle_steps = [ms for r in paired for ms in r["times"]["on_idle"]]
         rearranging = [ms for r in busy for ms in _decode_steps(r, True)]
         steady = [ms for r in busy for ms in _decode_steps(r, False)]
+        recompiles = max(r["recompiles"] for r in paired)
         entries = [
-            _entry(mode, "off", off_steps, off, base),
-            _entry(mode, "on_idle", idle_steps, idle, base),
-            _entry(mode, "on_rearranging", rearranging or steady, busy, busy_cfg),
+            _entry(mode, "off", off_steps, base, compile_s=max(r["compile_s"]["off"] for r in paired),
+                   recompiles=recompiles),
+            _entry(mode, "on_idle", idle_steps, base, compile_s=max(r["compile_s"]["on_idle"] for r in paired),
+                   recompiles=recompiles),
+            _entry(mode, "on_rearranging", rearranging or steady, busy_cfg,
+                   compile_s=max(r["compile_or_capture_s"] for r in busy), recompiles=max(r["recompiles"] for r in busy),
+                   rearrangements=min(r["rearrangements_finished"] for r in busy)),
         ]
         results.extend(entries)
         ratios[mode] = {

@@ -57,6 +57,7 @@ class RunConfig:
     tolerance: float = 1e-5
     backend: str = "inductor"
     progress: bool = False  # rank 0 shows a progress bar and one line per window
+    collect_load_stats: bool = True  # all-reduce the load each step for balancedness (off in bench)
 
     @property
     def num_physical(self) -> int:
@@ -177,14 +178,29 @@ def _global_loads(rank_layers, ep_size: int, group) -> tuple[torch.Tensor, torch
     return load.view(load.shape[0], ep_size, -1).sum(-1), logical
 
 
+def prepare_forward(model, cfg: RunConfig, rank_layers, records: list):
+    """The callable for the mode: the model itself (eager) or torch.compile with the EPLB pass."""
+    from eplb_graph.enable import make_eplb_backend
+    from eplb_graph.passes.router_sites import RouterBinding
+
+    if cfg.mode == "eager":
+        return model
+    bindings = []
+    for index, block in enumerate(model.layers):
+        if block.mlp.layer_key is not None:
+            block.mlp.route_in_module = False  # the pass inserts the routing op instead
+            bindings.append(RouterBinding(block.mlp.layer_key, f"layers.{index}.mlp.gate", cfg.num_experts, cfg.top_k))
+    live = {layer.key: layer for layer in rank_layers}
+    backend = make_eplb_backend(bindings, cfg.backend, records, live.__getitem__)
+    return torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+
+
 def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> dict:
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import get_ep_group
 
     from eplb_graph.controller import EplbController
-    from eplb_graph.enable import make_eplb_backend
     from eplb_graph.expert_parallel import init_expert_parallel
-    from eplb_graph.passes.router_sites import RouterBinding
 
     torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     config = init_expert_parallel(
@@ -202,16 +218,8 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
                 rank_layers, num_logical=cfg.num_experts, num_physical=cfg.num_physical,
                 window_size=cfg.window_size, step_interval=cfg.step_interval,
             )
-        forward = model
         records = []
-        if cfg.mode in ("compiled", "graph"):
-            bindings = []
-            for index, block in enumerate(model.layers):
-                if cfg.eplb:
-                    block.mlp.route_in_module = False  # the pass inserts the routing op instead
-                    bindings.append(RouterBinding(rank_layers[index].key, f"layers.{index}.mlp.gate", cfg.num_experts, cfg.top_k))
-            backend = make_eplb_backend(bindings, cfg.backend, records, lambda key: next(l for l in rank_layers if l.key == key))
-            forward = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+        forward = prepare_forward(model, cfg, rank_layers, records)
 
         workload = cfg.workload()
         progress = None
@@ -227,11 +235,24 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
             batch = make_batch(workload, step, rank)
             size = batch.tokens.shape[1]
             busy = controller is not None and controller.rebalancing
+            # A step's time: EPLB's host work before and after the forward counts, the
+            # balancedness bookkeeping of this runner does not.
+            start = time.perf_counter()
             if controller is not None:
                 controller.begin_batch(num_unpadded_tokens=batch.num_tokens, is_prefill=batch.is_prefill)
-            start = time.perf_counter()
             out = forward(batch.tokens)
             elapsed = time.perf_counter() - start
+            if cfg.eplb and cfg.collect_load_stats:  # read before end_batch: upstream folds the pass load into its window there
+                per_rank, logical_load = _global_loads(rank_layers, world_size, cpu_group)
+                result.rank_load.append(per_rank.tolist())
+                result.logical_load.append(logical_load.tolist())
+            if controller is not None:
+                end_start = time.perf_counter()
+                controller.end_batch()
+                elapsed += time.perf_counter() - end_start
+                if controller.stats.rearrangements_finished > last_finished:
+                    last_finished = controller.stats.rearrangements_finished
+                    result.rearrangement_finished_steps.append(step)
             if size not in seen_sizes:  # first forward of a capture size: compile, not a step
                 seen_sizes.add(size)
                 result.compile_or_capture_s += elapsed
@@ -242,18 +263,9 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
                 result.kinds.append(batch.kind)
                 result.rebalancing.append(busy)
             result.tokens += batch.num_tokens
-            if cfg.eplb:  # read before end_batch: upstream folds the pass load into its window there
-                per_rank, logical_load = _global_loads(rank_layers, world_size, cpu_group)
-                result.rank_load.append(per_rank.tolist())
-                result.logical_load.append(logical_load.tolist())
-            if controller is not None:
-                controller.end_batch()
-                if controller.stats.rearrangements_finished > last_finished:
-                    last_finished = controller.stats.rearrangements_finished
-                    result.rearrangement_finished_steps.append(step)
             if progress is not None:
                 progress.update(1)
-                if cfg.eplb and (step + 1) % cfg.step_interval == 0:
+                if result.rank_load and (step + 1) % cfg.step_interval == 0:
                     window = torch.tensor(result.rank_load[-cfg.step_interval :]).sum(0).double()  # [L, ranks]
                     balance = float((window.mean(-1) / window.max(-1).values.clamp_min(1)).mean())
                     stats = controller.stats

@@ -63,11 +63,12 @@ def upstream_rearrange_with_our_communicator(rank, world_size, init_method):
 
     spec, context = _setup(rank, world_size, init_method)
     with context:
-        num_layers, num_physical, num_local = 2, 12, 12 // world_size
+        num_layers, num_physical = 2, 12
+        num_local = num_physical // world_size
         gen = torch.Generator().manual_seed(7)
         logical = [[torch.randn(8, 6, 5, generator=gen), torch.randn(8, 3, generator=gen)] for _ in range(num_layers)]
         old = torch.stack([torch.cat([torch.arange(8), torch.arange(4)]) for _ in range(num_layers)])
-        new = torch.stack([torch.cat([torch.arange(8), torch.randint(0, 8, (4,), generator=gen)])[torch.randperm(12, generator=gen)]
+        new = torch.stack([torch.cat([torch.arange(8), torch.randint(0, 8, (4,), generator=gen)])[torch.randperm(num_physical, generator=gen)]
                            for _ in range(num_layers)])
         local = slice(rank * num_local, (rank + 1) * num_local)
         weights = [[w[old[i, local]].clone() for w in logical[i]] for i in range(num_layers)]

@@ -128,7 +128,7 @@ def test_graph_text_has_routing_between_topk_and_experts():
         key = handle.layers[index].key
         (
             check.check("torch.topk(")
-            .check(f"torch.ops.eplb_graph.map_and_record_layer.default(")
+            .check("torch.ops.eplb_graph.map_and_record_layer.default(")
             .check(f"'{key}'")
             .check("torch.bmm(")
             .check("torch.bmm(")
