@@ -15,7 +15,7 @@ import torch
 from eplb_graph.controller import EplbController, EplbWorkerError, RankLayer
 from eplb_graph.expert_parallel import ExpertParallelMoE, LinearTopKRouter, reference_moe
 from eplb_graph.layer_lookup import BatchFlags, LayerLookup, initial_placement
-from eplb_graph.weight_views import check_weight_view, expert_format
+from eplb_graph.weight_views import ExpertWeights, check_weight_view, expert_format
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,34 @@ class RankStack:
         return True
 
 
+def build_ep_layer(
+    key: str | None,
+    router_weight: torch.Tensor,  # [num_logical, H]
+    logical_experts: ExpertWeights,  # quantised once, in logical layout
+    top_k: int,
+    num_physical: int,
+    rank: int,
+    ep_size: int,
+    group,
+    flags: BatchFlags,
+    shared_expert=None,
+) -> tuple[ExpertParallelMoE, RankLayer | None]:
+    """One EP MoE layer on this rank at the initial placement: its local slice of the physical
+    experts and, with a key, the RankLayer (global routing tables) its routing op resolves."""
+    num_logical = logical_experts.num_experts
+    num_local = num_physical // ep_size
+    placement = initial_placement(num_logical, num_physical - num_logical)
+    local_slots = placement[rank * num_local : (rank + 1) * num_local]
+    local_experts = type(logical_experts)(*[t[local_slots].clone() for t in logical_experts.weight_view()])
+    check_weight_view(local_experts, num_local)
+    rank_layer = None
+    if key is not None:
+        tables = LayerLookup(num_logical, num_physical, placement=placement)
+        rank_layer = RankLayer(key, tables, flags, local_experts.weight_view())
+    router = LinearTopKRouter(router_weight, top_k)
+    return ExpertParallelMoE(router, local_experts, key, rank, ep_size, group, shared_expert), rank_layer
+
+
 def build_rank_stack(
     spec: StackSpec, rank: int, ep_size: int, *, window_size: int, step_interval: int, load_phase: str = "all",
     transfer_timeout_s: float = 30.0, with_controller: bool = True,
@@ -107,19 +135,15 @@ def build_rank_stack(
     fmt = expert_format(spec.weight_format)  # unsupported formats fail here, before any state
     if spec.num_physical % ep_size:
         raise ValueError(f"{spec.num_physical} physical experts do not divide over {ep_size} ranks")
-    num_local = spec.num_physical // ep_size
-    placement = initial_placement(spec.num_logical, spec.num_redundant)
-    local_slots = placement[rank * num_local : (rank + 1) * num_local]
+    group = get_ep_group().device_group if ep_size > 1 else None
     flags = BatchFlags()
     layers, rank_layers, references = [], [], []
     for index, (router, w13, w2) in enumerate(logical_weights(spec)):
         logical_experts = fmt.from_float(w13, w2)  # quantised once, in logical layout
-        local_experts = fmt(*[t[local_slots].clone() for t in logical_experts.weight_view()])
-        check_weight_view(local_experts, num_local)
-        tables = LayerLookup(spec.num_logical, spec.num_physical, placement=placement)
-        rank_layer = RankLayer(f"ep{rank}.{index}", tables, flags, local_experts.weight_view())
-        group = get_ep_group().device_group if ep_size > 1 else None
-        layers.append(ExpertParallelMoE(LinearTopKRouter(router, spec.top_k), local_experts, rank_layer.key, rank, ep_size, group))
+        layer, rank_layer = build_ep_layer(
+            f"ep{rank}.{index}", router, logical_experts, spec.top_k, spec.num_physical, rank, ep_size, group, flags
+        )
+        layers.append(layer)
         rank_layers.append(rank_layer)
         references.append((router, logical_experts))
     controller = None

@@ -119,12 +119,12 @@ class RankResult:
 
 
 def build_rank_models(cfg: RunConfig, rank: int, ep_size: int, group):
-    """(EPLB model on this rank, no-EPLB reference, RankLayers). Same seed on every rank."""
-    from eplb_graph.controller import RankLayer
+    """(EPLB model on this rank, no-EPLB reference, RankLayers, flags). Same seed on every rank."""
+    from eplb_graph.ep_runtime import build_ep_layer
     from eplb_graph.expert_parallel import ExpertParallelMoE, LinearTopKRouter
-    from eplb_graph.layer_lookup import BatchFlags, LayerLookup, initial_placement
+    from eplb_graph.layer_lookup import BatchFlags
     from eplb_graph.models.reference import ReferenceMoEConfig, build_reference_model
-    from eplb_graph.weight_views import check_weight_view, expert_format
+    from eplb_graph.weight_views import expert_format
 
     fmt = expert_format(cfg.weight_format)
     logical = build_reference_model(
@@ -136,30 +136,22 @@ def build_rank_models(cfg: RunConfig, rank: int, ep_size: int, group):
         seed=cfg.seed,
     )
     reference, model = copy.deepcopy(logical), copy.deepcopy(logical)
-    redundant = cfg.num_physical - cfg.num_experts
-    placement = initial_placement(cfg.num_experts, redundant)
-    num_local = cfg.num_physical // ep_size
     flags = BatchFlags()
     rank_layers = []
     for index, block in enumerate(logical.layers):
         moe = block.mlp
+        router = moe.gate.weight.detach().clone()
         logical_experts = fmt.from_float(moe.experts.w13.detach(), moe.experts.w2.detach())
         reference.layers[index].mlp = ExpertParallelMoE(
-            LinearTopKRouter(moe.gate.weight.detach().clone(), cfg.top_k), logical_experts, None,
+            LinearTopKRouter(router.clone(), cfg.top_k), logical_experts, None, shared_expert=copy.deepcopy(moe.shared_expert)
+        )
+        key = f"run{rank}.{index}" if cfg.eplb else None
+        model.layers[index].mlp, rank_layer = build_ep_layer(
+            key, router, logical_experts, cfg.top_k, cfg.num_physical, rank, ep_size, group, flags,
             shared_expert=copy.deepcopy(moe.shared_expert),
         )
-        local_slots = placement[rank * num_local : (rank + 1) * num_local]
-        local_experts = fmt(*[t[local_slots].clone() for t in logical_experts.weight_view()])
-        check_weight_view(local_experts, num_local)
-        key = None
-        if cfg.eplb:
-            tables = LayerLookup(cfg.num_experts, cfg.num_physical, placement=placement)
-            rank_layers.append(RankLayer(f"run{rank}.{index}", tables, flags, local_experts.weight_view()))
-            key = rank_layers[-1].key
-        model.layers[index].mlp = ExpertParallelMoE(
-            LinearTopKRouter(moe.gate.weight.detach().clone(), cfg.top_k), local_experts, key, rank, ep_size, group,
-            shared_expert=copy.deepcopy(moe.shared_expert),
-        )
+        if rank_layer is not None:
+            rank_layers.append(rank_layer)
     return model.eval(), reference.eval(), rank_layers, flags
 
 
