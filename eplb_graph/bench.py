@@ -24,7 +24,7 @@ import time
 import torch
 
 from eplb_graph.launch import run_ranks
-from eplb_graph.runner import RunConfig, build_rank_models, prepare_forward, run_rank
+from eplb_graph.runner import RunConfig, build_rank_models, prepare_forward, run_rank_and_shut_down
 from eplb_graph.workload import make_batch
 
 
@@ -48,7 +48,7 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
     from vllm.distributed.parallel_state import get_ep_group
 
     from eplb_graph.controller import EplbController
-    from eplb_graph.expert_parallel import init_expert_parallel
+    from eplb_graph.expert_parallel import init_expert_parallel, shutdown_expert_parallel
 
     torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     on_cfg = dataclasses.replace(cfg, eplb=True, step_interval=cfg.steps * 10, window_size=cfg.steps * 10)
@@ -87,6 +87,7 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
                 times[name].append((time.perf_counter() - start) * 1e3)
         recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
         controller.close()
+    shutdown_expert_parallel()
     return {"times": times, "compile_s": compile_s, "recompiles": recompiles,
             "verifier_ok": all(r.report is None or r.report.ok for r in on_records)}
 
@@ -114,7 +115,7 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int) -> dict:
         common = dict(mode=mode, steps=steps, check_outputs=False, progress=False, collect_load_stats=False)
         paired = run_ranks(idle_vs_off_rank, base.ranks, dataclasses.replace(base, **common), timeout_s=900)
         busy_cfg = dataclasses.replace(base, eplb=True, step_interval=10, window_size=10, **common)
-        busy = run_ranks(run_rank, base.ranks, busy_cfg, timeout_s=900)
+        busy = run_ranks(run_rank_and_shut_down, base.ranks, busy_cfg, timeout_s=900)
         off_steps = [ms for r in paired for ms in r["times"]["off"]]
         idle_steps = [ms for r in paired for ms in r["times"]["on_idle"]]
         rearranging = [ms for r in busy for ms in _decode_steps(r, True)]

@@ -71,7 +71,8 @@ def _run(args: argparse.Namespace) -> int:
 
     from eplb_graph.launch import run_ranks
     from eplb_graph.run_report import failed_invariants, summarize, write_plots
-    from eplb_graph.runner import run_rank
+    from eplb_graph.expert_parallel import shutdown_expert_parallel
+    from eplb_graph.runner import run_rank, run_rank_and_shut_down
 
     config = _run_config(args, progress=not args.json)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
@@ -83,11 +84,12 @@ def _run(args: argparse.Namespace) -> int:
         mine = run_rank(rank, world, "env://", config)
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
+        shutdown_expert_parallel()
         if rank != 0:
             return 0
         results = gathered
     else:
-        results = run_ranks(run_rank, config.ranks, config, timeout_s=args.timeout)
+        results = run_ranks(run_rank_and_shut_down, config.ranks, config, timeout_s=args.timeout)
     report = summarize(config, results)
     problems = failed_invariants(report)
     report["failed_invariants"] = problems

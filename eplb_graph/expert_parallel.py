@@ -57,6 +57,14 @@ def init_expert_parallel(
     return config
 
 
+def shutdown_expert_parallel() -> None:
+    """Tears down vLLM's groups (and their shared-memory broadcasters) at the end of a rank."""
+    from vllm.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
+
+
 class ExpertParallelMoE(nn.Module):
     """Router (replicated, logical ids) -> EPLB routing -> this rank's experts -> combine.
 

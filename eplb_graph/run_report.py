@@ -12,6 +12,7 @@ layers. Three numbers, all from the same run:
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from pathlib import Path
 
@@ -141,8 +142,10 @@ def write_plots(out: Path, cfg, results: list[dict]) -> list[Path]:
         ax.set_ylabel("MoE layer")
         ax.set_xticks(range(cfg.ranks))
         ax.set_yticks(range(data.shape[0]))
+        for (layer, rank), value in ((idx, float(share[idx])) for idx in itertools.product(*map(range, share.shape))):
+            ax.text(rank, layer, f"{value:.2f}", ha="center", va="center", color="black", fontsize=9)
     fig.colorbar(image, ax=axes, label="share of layer load")
     heatmap_png = out / "rank_load_heatmap.png"
-    fig.savefig(heatmap_png, dpi=110)
+    fig.savefig(heatmap_png, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return [balance_png, heatmap_png]

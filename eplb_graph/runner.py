@@ -286,3 +286,13 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
             result.rearrangements_finished = controller.stats.rearrangements_finished
             controller.close()
     return asdict(result)
+
+
+def run_rank_and_shut_down(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> dict:
+    """``run_rank`` for a process that ends with it: the groups are torn down afterwards."""
+    from eplb_graph.expert_parallel import shutdown_expert_parallel
+
+    try:
+        return run_rank(rank, world_size, init_method, cfg)
+    finally:
+        shutdown_expert_parallel()
