@@ -25,6 +25,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_routing_ops.py --out $(OUT)/bench_routing_ops.json
 	$(VENV)/bin/python benchmarks/bench_movement.py --out $(OUT)/bench_movement.json
+	$(VENV)/bin/eplb-graph bench --out $(OUT)/bench
 
 clean:
 	rm -rf $(VENV) $(OUT) build *.egg-info
