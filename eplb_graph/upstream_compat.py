@@ -146,6 +146,10 @@ class UpstreamCapabilityAdapter:
         self._patch(eplb_state, "_commit_eplb_maps", self._commit_all(eplb_state._commit_eplb_maps))
         if self.placement_check is not None:
             self._patch(async_worker, "run_rebalance_experts", self._checked_policy(async_worker.run_rebalance_experts))
+        # Read (not patched) by the controller to decide a batch's record flag on the host.
+        if not hasattr(eplb_state.EplbState, "_should_record_current_step"):
+            raise RuntimeError("upstream vLLM no longer defines EplbState._should_record_current_step; "
+                               "the EPLB controller adapter must be updated for this vLLM version")
         return self
 
     def uninstall(self) -> None:
