@@ -25,7 +25,8 @@ def test_async_rearrangement_commits_layers_between_forwards(weight_format, rank
         assert result["max_abs_diff"] == 0.0, rank
         assert result["mismatched_steps"] == [], rank
         assert result["stats"]["rearrangements_finished"] >= 2, result["stats"]
-        assert result["stats"]["layers_committed"] == 2 * result["stats"]["rearrangements_finished"]
+        stats = result["stats"]  # 2 layers per rearrangement; the last may still be in flight
+        assert 2 * stats["rearrangements_finished"] <= stats["layers_committed"] <= 2 * stats["rearrangements_started"]
         assert result["distinct_placements"] >= 2
         assert result["bytes_received"] > 0  # experts really crossed ranks
         assert result["rejected"] == []

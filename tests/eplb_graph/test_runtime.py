@@ -28,7 +28,8 @@ def test_run_rebalances_live_with_outputs_checked_every_step(mode, capsys, tmp_p
     assert report["mode"] == mode and report["ranks"] == 2 and report["steps"] == 70
     assert report["output_mismatches"] == 0 and report["max_abs_diff"] <= report["tolerance"]
     assert report["rearrangements"] >= 5
-    assert report["layers_committed"] == 2 * report["rearrangements"]
+    # 2 layers per rearrangement; the last one may still be in flight when the run ends
+    assert 2 * report["rearrangements"] <= report["layers_committed"] <= 2 * report["rearrangements_started"]
     assert report["recompiles"] == 0 and report["recaptures"] == 0
     assert report["balancedness_after"] > report["balancedness_without_eplb"]
     if mode == "compiled":
