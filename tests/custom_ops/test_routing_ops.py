@@ -6,6 +6,7 @@ from tests.routing_reference import map_to_physical_reference, record_load_refer
 
 from eplb_graph import BatchFlags, build_lookup, validate_placement
 from eplb_graph.custom_ops.routing import map_and_record_composite
+from tests.markers import requires_cuda
 
 ops = torch.ops.eplb_graph
 
@@ -173,3 +174,19 @@ def test_topk_then_map_and_record_compiles_without_graph_breaks(backend):
     assert torch.equal(load, expected_load)
     assert int(load.sum()) == 4 * 2
     assert torch._dynamo.utils.counters["graph_break"] == {}
+
+
+@requires_cuda
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("num_tokens", [0, 1, 17, 4096])
+def test_cuda_kernel_matches_the_cpu_kernel(num_tokens, id_dtype):
+    _, lookup, replica_count = random_tables(64, 16, seed=num_tokens)
+    ids = torch.randint(-2, 66, (num_tokens, 8), dtype=id_dtype)
+    record_enabled, num_unpadded = flags(True, max(num_tokens - 3, 0), (1,))
+    cpu_load = torch.zeros(80, dtype=torch.int32)
+    expected = ops.map_and_record(ids, lookup, replica_count, cpu_load, record_enabled, num_unpadded)
+    cuda = [t.cuda() for t in (ids, lookup, replica_count, torch.zeros(80, dtype=torch.int32), record_enabled, num_unpadded)]
+    physical = ops.map_and_record(*cuda)
+    assert torch.equal(physical.cpu(), expected)
+    assert torch.equal(cuda[3].cpu(), cpu_load)
+    torch.library.opcheck(ops.map_and_record, tuple(t.clone() for t in cuda))
