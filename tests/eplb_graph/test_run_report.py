@@ -1,0 +1,26 @@
+import torch
+
+from eplb_graph.run_report import failed_invariants, windowed_balancedness, without_eplb_rank_load
+
+
+def test_windowed_balancedness_is_mean_over_max_of_summed_rank_load():
+    # 4 steps, 1 layer, 2 ranks: windows of 2 steps -> [3+1, 1+3] = balanced, [4+0, 4+0] -> 0.5
+    steps = torch.tensor([[[3, 1]], [[1, 3]], [[4, 0]], [[4, 0]]])
+    assert windowed_balancedness(steps, 2) == [1.0, 0.5]
+
+
+def test_without_eplb_places_logical_experts_contiguously():
+    logical = torch.tensor([[[5, 1, 0, 2]]])  # 1 step, 1 layer, 4 experts
+    assert without_eplb_rank_load(logical, 2).tolist() == [[[6, 2]]]
+
+
+def test_failed_invariants_name_each_problem():
+    report = {"output_mismatches": 2, "recompiles": 1, "recaptures": 0, "verifier_ok": False, "mode": "compiled",
+              "num_physical_experts": 20, "eplb": True, "routers_mapped": 1, "num_layers": 2}
+    problems = failed_invariants(report)
+    assert any("2 step(s) whose output differs" in p for p in problems)
+    assert any("1 recompile(s)" in p for p in problems)
+    assert any("verifier failed" in p for p in problems)
+    assert any("mapped 1 of 2 routers" in p for p in problems)
+    clean = dict(report, output_mismatches=0, recompiles=0, verifier_ok=True, routers_mapped=2)
+    assert failed_invariants(clean) == []
