@@ -25,7 +25,7 @@ from . import routing
 MAP_AND_RECORD_LAYER_SCHEMA = "map_and_record_layer(Tensor topk_ids, str layer) -> Tensor"
 
 
-class RoutedLayer(Protocol):
+class RoutingTables(Protocol):
     """What the op needs from a layer: its live tables, in the order of map_and_record."""
 
     def routing_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,7 +44,7 @@ class LayerTableRegistry:
     def __init__(self) -> None:
         self._layers: dict[str, weakref.ReferenceType] = {}
 
-    def register(self, key: str, layer: RoutedLayer) -> None:
+    def register(self, key: str, layer: RoutingTables) -> None:
         existing = self._layers.get(key)
         if existing is not None and existing() is not None and existing() is not layer:
             raise ValueError(f"EPLB layer key {key!r} is already registered to another layer")
@@ -53,7 +53,7 @@ class LayerTableRegistry:
     def unregister(self, key: str) -> None:
         self._layers.pop(key, None)
 
-    def resolve(self, key: str) -> RoutedLayer:
+    def resolve(self, key: str) -> RoutingTables:
         ref = self._layers.get(key)
         layer = ref() if ref is not None else None
         if layer is None:

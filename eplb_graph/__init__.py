@@ -5,7 +5,14 @@ Importing the package registers the ``torch.ops.eplb_graph`` routing ops.
 
 from eplb_graph import custom_ops
 from eplb_graph.enable import EplbHandle, EplbLayer, EplbOptions, enable
-from eplb_graph.layer_lookup import BatchFlags, LayerLookup, build_lookup, initial_placement, validate_placement
+from eplb_graph.layer_lookup import (
+    BatchFlags,
+    LayerLookup,
+    RoutedLayer,
+    build_lookup,
+    initial_placement,
+    validate_placement,
+)
 from eplb_graph.passes.verify import verify
 
 __version__ = "0.1.0"
@@ -16,6 +23,7 @@ __all__ = [
     "EplbLayer",
     "EplbOptions",
     "LayerLookup",
+    "RoutedLayer",
     "build_lookup",
     "custom_ops",
     "enable",

@@ -22,12 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
-from eplb_graph.custom_ops import LAYER_TABLES
-from eplb_graph.layer_lookup import BatchFlags, LayerLookup, validate_placement
+from eplb_graph.layer_lookup import (
+    BatchFlags,
+    LayerLookup,
+    RoutedLayer,
+    batch_in_load_phase,
+    check_load_phase,
+    validate_placement,
+)
 from eplb_graph.upstream_compat import UpstreamCapabilityAdapter
-
-LOAD_PHASES = ("all", "prefill", "decode")
-
 
 class EplbWorkerError(RuntimeError):
     """The async EPLB worker died; EPLB would otherwise be silently off from here on."""
@@ -37,19 +40,12 @@ class EplbPeerLostError(RuntimeError):
     """An EP peer disappeared; this rank keeps its last committed placement and matching weights."""
 
 
-class RankLayer:
+class RankLayer(RoutedLayer):
     """One MoE layer on one EP rank: global routing tables, local expert weights, shared flags."""
 
     def __init__(self, key: str, tables: LayerLookup, flags: BatchFlags, weight_view: list[torch.Tensor]) -> None:
-        self.key = key
-        self.tables = tables
-        self.flags = flags
+        super().__init__(key, tables, flags)
         self.weight_view = weight_view
-        LAYER_TABLES.register(key, self)
-
-    def routing_tensors(self):
-        t = self.tables
-        return t.lookup, t.replica_count, t.load, self.flags.record_enabled, self.flags.num_unpadded_tokens
 
 
 class UpstreamModelView:
@@ -107,8 +103,7 @@ class EplbController:
         device: torch.device | str = "cpu",
         model_name: str = "moe",
     ) -> None:
-        if load_phase not in LOAD_PHASES:
-            raise ValueError(f"unknown load_phase {load_phase!r}; expected one of {', '.join(LOAD_PHASES)}")
+        check_load_phase(load_phase)
         from vllm.config import get_current_vllm_config
         from vllm.distributed.eplb.eplb_state import EplbState
         from vllm.distributed.parallel_state import get_eplb_group, get_ep_group
@@ -163,8 +158,7 @@ class EplbController:
     def begin_batch(self, *, num_unpadded_tokens: int, is_prefill: bool) -> bool:
         """Before a forward (or replay): fill the record flag and padding count. Returns record."""
         self.check_worker()
-        in_phase = self.load_phase == "all" or (self.load_phase == "prefill") == is_prefill
-        record = in_phase and self.state._should_record_current_step()
+        record = batch_in_load_phase(self.load_phase, is_prefill) and self.state._should_record_current_step()
         self.flags.set_(record=record, num_unpadded_tokens=num_unpadded_tokens)
         return record
 
@@ -216,4 +210,4 @@ class EplbController:
     def close(self) -> None:
         self.compat.uninstall()
         for layer in self.layers:
-            LAYER_TABLES.unregister(layer.key)
+            layer.close()

@@ -22,14 +22,20 @@ import torch
 from torch import fx, nn
 
 from eplb_graph.adapters import DEFAULT_ADAPTERS, MoEAdapter, MoELayerSpec, find_moe_layers
-from eplb_graph.custom_ops import LAYER_TABLES
-from eplb_graph.layer_lookup import BatchFlags, LayerLookup, initial_placement, validate_placement
+from eplb_graph.layer_lookup import (
+    BatchFlags,
+    LayerLookup,
+    RoutedLayer,
+    batch_in_load_phase,
+    check_load_phase,
+    initial_placement,
+    validate_placement,
+)
 from eplb_graph.passes.inductor_pass import EplbPostGradPass, torchair_backend, vllm_inductor_pass
 from eplb_graph.passes.insert_routing import RoutingPassResult, insert_eplb_routing
 from eplb_graph.passes.router_sites import RouterBinding
 from eplb_graph.passes.verify import VerifierReport, verify
 
-LOAD_PHASES = ("all", "prefill", "decode")
 _handle_ids = itertools.count()
 
 
@@ -46,38 +52,19 @@ class EplbOptions:
             raise ValueError(f"num_redundant_experts must be an int >= 0, got {self.num_redundant_experts!r}")
         if not isinstance(self.ep_size, int) or self.ep_size < 1:
             raise ValueError(f"ep_size must be an int >= 1, got {self.ep_size!r}")
-        if self.load_phase not in LOAD_PHASES:
-            raise ValueError(f"unknown load_phase {self.load_phase!r}; expected one of {', '.join(LOAD_PHASES)}")
+        check_load_phase(self.load_phase)
 
 
-class EplbLayer:
-    """One MoE layer under EPLB: the tensors its routing reads, and its expert weights."""
+class EplbLayer(RoutedLayer):
+    """One MoE layer of an enabled model: its routing tables and its expert weights."""
 
     def __init__(self, key: str, spec: MoELayerSpec, tables: LayerLookup, flags: BatchFlags) -> None:
-        self.key = key
+        super().__init__(key, tables, flags)
         self.spec = spec
-        self.tables = tables
-        self.flags = flags
 
     @property
     def name(self) -> str:
         return self.spec.name
-
-    @property
-    def lookup(self) -> torch.Tensor:
-        return self.tables.lookup
-
-    @property
-    def replica_count(self) -> torch.Tensor:
-        return self.tables.replica_count
-
-    @property
-    def load(self) -> torch.Tensor:
-        return self.tables.load
-
-    def routing_tensors(self):
-        t = self.tables
-        return t.lookup, t.replica_count, t.load, self.flags.record_enabled, self.flags.num_unpadded_tokens
 
     def binding(self) -> RouterBinding:
         return RouterBinding(self.key, self.spec.router_path, self.spec.num_experts, self.spec.top_k)
@@ -179,8 +166,7 @@ class EplbHandle:
 
     def set_batch(self, *, num_tokens: int, is_prefill: bool = False) -> None:
         """Before a forward: whether this batch records load (its phase), and its real token count."""
-        phase = self.options.load_phase
-        record = phase == "all" or (phase == "prefill") == is_prefill
+        record = batch_in_load_phase(self.options.load_phase, is_prefill)
         self.flags.set_(record=record, num_unpadded_tokens=num_tokens)
 
     def logical_load(self) -> torch.Tensor:
@@ -227,7 +213,7 @@ class EplbHandle:
 
     def close(self) -> None:
         for layer in self.layers:
-            LAYER_TABLES.unregister(layer.key)
+            layer.close()
 
     def __repr__(self) -> str:
         return f"EplbHandle({len(self.layers)} layers, {self.options})"
@@ -270,7 +256,5 @@ def enable(
             setattr(spec.experts, name, _to_physical_layout_(getattr(spec.experts, name), placement))
         adapter.set_num_physical(spec, spec.num_experts + num_redundant_experts)
         tables = LayerLookup(spec.num_experts, spec.num_experts + num_redundant_experts, placement=placement, device=device)
-        layer = EplbLayer(f"eplb{handle_id}.{index}", spec, tables, flags)
-        LAYER_TABLES.register(layer.key, layer)
-        layers.append(layer)
+        layers.append(EplbLayer(f"eplb{handle_id}.{index}", spec, tables, flags))
     return EplbHandle(model, layers, flags, options)

@@ -11,6 +11,21 @@ from __future__ import annotations
 
 import torch
 
+from eplb_graph.custom_ops import LAYER_TABLES
+
+# Which batches record load: every batch, or only those of one phase.
+LOAD_PHASES = ("all", "prefill", "decode")
+
+
+def check_load_phase(phase: str) -> None:
+    if phase not in LOAD_PHASES:
+        raise ValueError(f"unknown load_phase {phase!r}; expected one of {', '.join(LOAD_PHASES)}")
+
+
+def batch_in_load_phase(phase: str, is_prefill: bool) -> bool:
+    """Decided once per batch; a batch with any prefill work is a prefill batch."""
+    return phase == "all" or (phase == "prefill") == is_prefill
+
 
 def initial_placement(num_logical_experts: int, num_redundant_experts: int) -> torch.Tensor:
     """[num_physical] int64: every logical expert once, then redundant slots round-robin.
@@ -197,3 +212,36 @@ class LayerLookup:
             f"LayerLookup(num_logical={self.num_logical_experts}, num_physical={self.num_physical_experts}, "
             f"max_replicas={self.max_replicas}, device={self.device})"
         )
+
+
+class RoutedLayer:
+    """A MoE layer the routing op reaches by name: its tables and the batch flags it shares.
+
+    Registered in ``LAYER_TABLES`` for as long as it lives (weakly) or until ``close``.
+    """
+
+    def __init__(self, key: str, tables: LayerLookup, flags: BatchFlags) -> None:
+        self.key = key
+        self.tables = tables
+        self.flags = flags
+        LAYER_TABLES.register(key, self)
+
+    @property
+    def lookup(self) -> torch.Tensor:
+        return self.tables.lookup
+
+    @property
+    def replica_count(self) -> torch.Tensor:
+        return self.tables.replica_count
+
+    @property
+    def load(self) -> torch.Tensor:
+        return self.tables.load
+
+    def routing_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What map_and_record_layer reads, in map_and_record's argument order."""
+        t = self.tables
+        return t.lookup, t.replica_count, t.load, self.flags.record_enabled, self.flags.num_unpadded_tokens
+
+    def close(self) -> None:
+        LAYER_TABLES.unregister(self.key)
