@@ -49,7 +49,7 @@ def rank_main(rank, world_size, init_method, spec_kwargs, steps, window, interva
 
     from eplb_graph import mover
     from eplb_graph.ep_runtime import StackSpec, build_rank_stack, skewed_batch
-    from eplb_graph.expert_parallel import init_expert_parallel
+    from eplb_graph.expert_parallel import init_expert_parallel, shutdown_expert_parallel
 
     torch.set_num_threads(1)
     spec = StackSpec(**spec_kwargs)
@@ -68,7 +68,7 @@ def rank_main(rank, world_size, init_method, spec_kwargs, steps, window, interva
 
     mover.GlooStagedCommunicator.execute = timed_execute
     with set_current_vllm_config(config):
-        stack = build_rank_stack(spec, rank, world_size, window_size=window, step_interval=interval)
+        stack = build_rank_stack(spec, rank, world_size)
         controller = stack.controller
         steady, rearranging, commit_steps, steady_end = [], [], [], []
         for step in range(steps):
@@ -105,6 +105,7 @@ def rank_main(rank, world_size, init_method, spec_kwargs, steps, window, interva
             sync_steps.append((time.perf_counter() - start) * 1e3)
             old, new = new, old
         controller.close()
+    shutdown_expert_parallel()
 
     move_s = [s for s, _ in moves]
     move_mb = [b / 1e6 for _, b in moves]

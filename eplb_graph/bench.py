@@ -59,8 +59,7 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
         group = get_ep_group().device_group if world_size > 1 else None
         on_model, _, layers, _ = build_rank_models(on_cfg, rank, world_size, group)
         off_model, _, _, _ = build_rank_models(off_cfg, rank, world_size, group)
-        controller = EplbController(layers, num_logical=cfg.num_experts, num_physical=on_cfg.num_physical,
-                                    window_size=on_cfg.window_size, step_interval=on_cfg.step_interval)
+        controller = EplbController(layers)
         on_records: list = []
         forwards = {"off": prepare_forward(off_model, off_cfg, [], []),
                     "on_idle": prepare_forward(on_model, on_cfg, layers, on_records)}

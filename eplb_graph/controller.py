@@ -84,7 +84,6 @@ class ControllerStats:
     rearrangements_started: int = 0
     rearrangements_finished: int = 0
     layers_committed: int = 0
-    steps: int = 0
 
 
 class EplbController:
@@ -94,15 +93,12 @@ class EplbController:
         self,
         layers: list[RankLayer],
         *,
-        num_logical: int,
-        num_physical: int,
-        window_size: int,
-        step_interval: int,
         load_phase: str = "all",
         transfer_timeout_s: float = 60.0,
         device: torch.device | str = "cpu",
         model_name: str = "moe",
     ) -> None:
+        """Window size and step interval are upstream's: the current vLLM config's ``eplb_config``."""
         check_load_phase(load_phase)
         from vllm.config import get_current_vllm_config
         from vllm.distributed.eplb.eplb_state import EplbState
@@ -111,19 +107,23 @@ class EplbController:
         from eplb_graph.mover import GlooStagedCommunicator
 
         parallel_config = get_current_vllm_config().parallel_config
-        eplb_config = parallel_config.eplb_config
-        if not (parallel_config.enable_eplb and eplb_config.use_async):
+        if not (parallel_config.enable_eplb and parallel_config.eplb_config.use_async):
             raise ValueError("eplb-graph supports asynchronous EPLB only: set enable_eplb=True with use_async=True")
-        eplb_config.window_size, eplb_config.step_interval = window_size, step_interval
+        # Upstream keeps one placement width and sizes its transfer buffer from layer 0.
+        sizes = {(layer.tables.num_logical_experts, layer.tables.num_physical_experts) for layer in layers}
+        shapes = {tuple(tuple(t.shape) for t in layer.weight_view) for layer in layers}
+        if len(sizes) != 1 or len(shapes) != 1:
+            raise ValueError(
+                f"every MoE layer must have the same expert counts and per-expert weight shapes for EPLB, "
+                f"got counts {sizes} and shapes {shapes}"
+            )
+        (num_logical, num_physical), = sizes
         self.layers = layers
         self.load_phase = load_phase
         self.flags = layers[0].flags
         self.stats = ControllerStats()
         self.ep_rank = get_ep_group().rank_in_group
         self.ep_size = get_ep_group().world_size
-        shapes = {tuple(tuple(t.shape) for t in layer.weight_view) for layer in layers}
-        if len(shapes) != 1:  # upstream sizes its transfer buffer from layer 0
-            raise ValueError(f"every MoE layer must have the same per-expert weight shapes for EPLB, got {shapes}")
 
         self.compat = UpstreamCapabilityAdapter(
             torch.device(device), commit_hook=self._after_commit, placement_check=self._check_placements
@@ -141,10 +141,11 @@ class EplbController:
     # -- upstream hooks ---------------------------------------------------------------
 
     def _check_placements(self, placements: torch.Tensor) -> None:
+        if placements.dim() != 2 or placements.shape[0] != len(self.layers):
+            raise ValueError(f"policy returned placements of shape {tuple(placements.shape)}, expected {len(self.layers)} layers")
         for layer, placement in zip(self.layers, placements):
-            validate_placement(placement, layer.tables.num_logical_experts, layer.tables.num_physical_experts, layer.tables.max_replicas)
-        if placements.shape[0] != len(self.layers):
-            raise ValueError(f"policy returned {placements.shape[0]} layers, expected {len(self.layers)}")
+            tables = layer.tables
+            validate_placement(placement, tables.num_logical_experts, tables.num_physical_experts, tables.max_replicas)
 
     def _after_commit(self, model_state, layer_index: int | None) -> None:
         indices = range(len(self.layers)) if layer_index is None else [layer_index]
@@ -166,7 +167,6 @@ class EplbController:
         """After a forward: every rank steps upstream (window, rearrangement, layer commits)."""
         self.check_worker()
         self.state.step()
-        self.stats.steps += 1
         rebalancing = self.model_state.rebalanced
         if rebalancing and not self._was_rebalancing:
             self.stats.rearrangements_started += 1

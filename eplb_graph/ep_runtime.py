@@ -64,25 +64,23 @@ class RankStack:
     layers: list[ExpertParallelMoE]
     rank_layers: list[RankLayer]
     references: list  # per layer: (router, logical ExpertWeights)
-    controller: EplbController | None
+    controller: EplbController
     flags: BatchFlags
     max_abs_diff: list[float] = field(default_factory=list)
 
     def forward(self, x: torch.Tensor, *, is_prefill: bool = False, check: bool = True) -> torch.Tensor:
         """One batch through every layer; EPLB steps (and commits layers) only after it."""
         try:
-            if self.controller is not None:
-                self.controller.begin_batch(num_unpadded_tokens=x.shape[0], is_prefill=is_prefill)
+            self.controller.begin_batch(num_unpadded_tokens=x.shape[0], is_prefill=is_prefill)
             for layer, (router, logical_experts) in zip(self.layers, self.references):
                 out = layer(x)
                 if check:
                     expected = reference_moe(x, router, logical_experts, self.spec.top_k)
                     self.max_abs_diff.append(float((out - expected).abs().max()))
                 x = x + out
-            if self.controller is not None:
-                self.controller.end_batch()
+            self.controller.end_batch()
         except RuntimeError as error:  # gloo: a peer's connection closed or timed out
-            if self.controller is None or isinstance(error, EplbWorkerError):
+            if isinstance(error, EplbWorkerError):
                 raise
             raise self.controller.peer_lost(error) from error
         return x
@@ -127,9 +125,9 @@ def build_ep_layer(
 
 
 def build_rank_stack(
-    spec: StackSpec, rank: int, ep_size: int, *, window_size: int, step_interval: int, load_phase: str = "all",
-    transfer_timeout_s: float = 30.0, with_controller: bool = True,
+    spec: StackSpec, rank: int, ep_size: int, *, load_phase: str = "all", transfer_timeout_s: float = 30.0
 ) -> RankStack:
+    """The stack under a controller; window and interval come from the current vLLM config."""
     from vllm.distributed.parallel_state import get_ep_group
 
     fmt = expert_format(spec.weight_format)  # unsupported formats fail here, before any state
@@ -146,10 +144,5 @@ def build_rank_stack(
         layers.append(layer)
         rank_layers.append(rank_layer)
         references.append((router, logical_experts))
-    controller = None
-    if with_controller:
-        controller = EplbController(
-            rank_layers, num_logical=spec.num_logical, num_physical=spec.num_physical, window_size=window_size,
-            step_interval=step_interval, load_phase=load_phase, transfer_timeout_s=transfer_timeout_s,
-        )
+    controller = EplbController(rank_layers, load_phase=load_phase, transfer_timeout_s=transfer_timeout_s)
     return RankStack(spec, rank, ep_size, layers, rank_layers, references, controller, flags)

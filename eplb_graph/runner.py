@@ -206,10 +206,7 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
         model, reference, rank_layers, flags = build_rank_models(cfg, rank, world_size, group)
         controller = None
         if cfg.eplb:
-            controller = EplbController(
-                rank_layers, num_logical=cfg.num_experts, num_physical=cfg.num_physical,
-                window_size=cfg.window_size, step_interval=cfg.step_interval,
-            )
+            controller = EplbController(rank_layers)
         records = []
         forward = prepare_forward(model, cfg, rank_layers, records)
 

@@ -26,7 +26,7 @@ def live_rebalancing(rank, world_size, init_method, weight_format, steps, load_p
 
     spec, context = _setup(rank, world_size, init_method, weight_format=weight_format)
     with context:
-        stack = build_rank_stack(spec, rank, world_size, window_size=4, step_interval=8, load_phase=load_phase)
+        stack = build_rank_stack(spec, rank, world_size, load_phase=load_phase)
         controller = stack.controller
         placements, recorded, mismatched_steps = [], [], []
         for step in range(steps):
@@ -88,7 +88,7 @@ def peer_dies_mid_transfer(rank, world_size, init_method):
 
     spec, context = _setup(rank, world_size, init_method)
     with context:
-        stack = build_rank_stack(spec, rank, world_size, window_size=4, step_interval=8, transfer_timeout_s=10)
+        stack = build_rank_stack(spec, rank, world_size, transfer_timeout_s=10)
         execute, transfers = mover.GlooStagedCommunicator.execute, []
 
         def execute_then_maybe_die(self):
@@ -124,7 +124,7 @@ def invalid_policy_output_is_rejected(rank, world_size, init_method):
 
     spec, context = _setup(rank, world_size, init_method)
     with context:
-        stack = build_rank_stack(spec, rank, world_size, window_size=4, step_interval=8)
+        stack = build_rank_stack(spec, rank, world_size)
 
         class BrokenPolicy:
             @classmethod
