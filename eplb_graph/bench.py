@@ -103,7 +103,7 @@ def _entry(mode: str, eplb: str, steps: list[float], cfg: RunConfig, *, compile_
         "decode_steps": len(steps),
         "compile_or_capture_s": round(compile_s, 2),
         "recompiles": recompiles,
-        "recaptures": 0,  # no capture exists on the host; CUDA graph mode is not built yet
+        "recaptures": None,  # no graph is captured on the host; CUDA graph mode is not built yet
         "rearrangements": rearrangements,
     }
 
@@ -158,7 +158,7 @@ def format_table(report: dict) -> str:
     for r in report["results"]:
         lines.append(
             f"{r['mode']:<9} {r['eplb']:<15} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['tokens_per_s']:>9.0f} "
-            f"{r['compile_or_capture_s']:>9.1f} {r['recompiles']:>6} {r['recaptures']:>6}"
+            f"{r['compile_or_capture_s']:>9.1f} {r['recompiles']:>6} {'-' if r['recaptures'] is None else r['recaptures']:>6}"
         )
     for mode, ratio in report["ratios"].items():
         lines.append(f"{mode}: {ratio}")

@@ -105,7 +105,7 @@ def _run(args: argparse.Namespace) -> int:
             f"{report['balancedness_without_eplb']}, before first rebalance {report['balancedness_before']}, after "
             f"{report['balancedness_after']}; {report['rearrangements']} rearrangements, {report['layers_committed']} "
             f"layer commits; output mismatches {report['output_mismatches']} (max |diff| {report['max_abs_diff']:.2e}); "
-            f"recompiles {report['recompiles']}, recaptures {report['recaptures']}; step p50 {report['step_p50_ms']} ms"
+            f"recompiles {report['recompiles']}, recaptures {'n/a (no capture on this device)' if report['recaptures'] is None else report['recaptures']}; step p50 {report['step_p50_ms']} ms"
         )
         for path in [out / "report.json", *plots]:
             print(f"wrote {path}")

@@ -56,7 +56,7 @@ def summarize(cfg, results: list[dict]) -> dict:
         "max_abs_diff": max(r["max_abs_diff"] for r in results),
         "tolerance": cfg.tolerance,
         "recompiles": max(r["recompiles"] for r in results),
-        "recaptures": max(r["recaptures"] for r in results),
+        "recaptures": None if any(r["recaptures"] is None for r in results) else max(r["recaptures"] for r in results),
         "verifier_ok": all(r["verifier_ok"] for r in results),
         "routers_mapped": min(r["routers_mapped"] for r in results),
         "compile_or_capture_s": round(max(r["compile_or_capture_s"] for r in results), 2),

@@ -111,7 +111,7 @@ class RankResult:
     output_mismatches: int = 0
     max_abs_diff: float = 0.0
     recompiles: int = 0
-    recaptures: int = 0
+    recaptures: int | None = None  # None: this mode captures no graphs (every mode on CPU)
     compile_or_capture_s: float = 0.0
     verifier_ok: bool = True
     routers_mapped: int = 0

@@ -30,7 +30,8 @@ def test_run_rebalances_live_with_outputs_checked_every_step(mode, capsys, tmp_p
     assert report["rearrangements"] >= 5
     # 2 layers per rearrangement; the last one may still be in flight when the run ends
     assert 2 * report["rearrangements"] <= report["layers_committed"] <= 2 * report["rearrangements_started"]
-    assert report["recompiles"] == 0 and report["recaptures"] == 0
+    assert report["recompiles"] == 0
+    assert report["recaptures"] is None  # no graph is captured on the host: not a count that could be 0
     assert report["balancedness_after"] > report["balancedness_without_eplb"]
     if mode == "compiled":
         assert report["verifier_ok"] and report["routers_mapped"] == 2
