@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from eplb_graph.layer_lookup import BatchFlags, LayerLookup
+from eplb_graph.run_report import balancedness
 
 
 @dataclass
@@ -32,9 +33,8 @@ class DemoReport:
 
 
 def rank_balancedness(physical_load: torch.Tensor, ranks: int) -> float:
-    """mean / max of per-rank load, physical slots split evenly and contiguously over ranks."""
-    per_rank = physical_load.double().reshape(ranks, -1).sum(-1)  # [ranks]
-    return float(per_rank.mean() / per_rank.max().clamp_min(1))
+    """Balancedness with physical slots split evenly and contiguously over ranks."""
+    return balancedness(physical_load.reshape(ranks, -1).sum(-1))  # [ranks]
 
 
 def skewed_router_logits(gen: torch.Generator, num_tokens: int, num_experts: int, hot: int) -> torch.Tensor:

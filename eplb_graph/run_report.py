@@ -19,13 +19,24 @@ from pathlib import Path
 import torch
 
 
+def balancedness(per_rank: torch.Tensor) -> float:
+    """mean / max of the load over ranks (the last dim), averaged over any leading dims (layers)."""
+    per_rank = per_rank.double()
+    return float((per_rank.mean(-1) / per_rank.max(-1).values.clamp_min(1)).mean())
+
+
 def windowed_balancedness(per_rank_steps: torch.Tensor, window: int) -> list[float]:
-    """per_rank_steps: [steps, layers, ranks] -> one balancedness per full window."""
-    values = []
-    for start in range(0, per_rank_steps.shape[0] - window + 1, window):
-        totals = per_rank_steps[start : start + window].sum(0).double()  # [L, ranks]
-        values.append(float((totals.mean(-1) / totals.max(-1).values.clamp_min(1)).mean()))
-    return values
+    """per_rank_steps: [steps, layers, ranks] -> one balancedness per full, non-overlapping window."""
+    starts = range(0, per_rank_steps.shape[0] - window + 1, window)
+    return [balancedness(per_rank_steps[start : start + window].sum(0)) for start in starts]
+
+
+def trailing_balancedness(per_rank_steps: torch.Tensor, window: int) -> list[float]:
+    """The same measure over the `window` steps ending at each step (shorter at the start), for plots."""
+    return [
+        balancedness(per_rank_steps[max(0, step - window + 1) : step + 1].sum(0))
+        for step in range(per_rank_steps.shape[0])
+    ]
 
 
 def without_eplb_rank_load(logical_steps: torch.Tensor, ranks: int) -> torch.Tensor:
@@ -109,15 +120,11 @@ def write_plots(out: Path, cfg, results: list[dict]) -> list[Path]:
         return []
     executed = torch.tensor(first["rank_load"]).double()  # [steps, L, ranks]
     window = cfg.step_interval
-    per_step = (executed.mean(-1) / executed.max(-1).values.clamp_min(1)).mean(-1)  # noisy, per step
-    smooth = [float(per_step[max(0, i - window + 1) : i + 1].mean()) for i in range(len(per_step))]
-    without = without_eplb_rank_load(torch.tensor(first["logical_load"]), cfg.ranks).double()
-    without_step = (without.mean(-1) / without.max(-1).values.clamp_min(1)).mean(-1)
-    without_smooth = [float(without_step[max(0, i - window + 1) : i + 1].mean()) for i in range(len(without_step))]
+    without = without_eplb_rank_load(torch.tensor(first["logical_load"]), cfg.ranks)
 
     fig, ax = plt.subplots(figsize=(9, 4))
-    ax.plot(smooth, label=f"with EPLB ({window}-step moving mean)")
-    ax.plot(without_smooth, label="same load without EPLB", alpha=0.7)
+    ax.plot(trailing_balancedness(executed, window), label=f"with EPLB (load of the last {window} steps)")
+    ax.plot(trailing_balancedness(without, window), label="same load without EPLB", alpha=0.7)
     for step in first["rearrangement_finished_steps"]:
         ax.axvline(step, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel("step (dotted: rearrangement finished)")

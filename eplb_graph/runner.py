@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from eplb_graph.run_report import balancedness
 from eplb_graph.workload import WorkloadSpec, make_batch
 
 MODES = ("eager", "compiled", "graph")
@@ -255,8 +256,7 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
             if progress is not None:
                 progress.update(1)
                 if result.rank_load and (step + 1) % cfg.step_interval == 0:
-                    window = torch.tensor(result.rank_load[-cfg.step_interval :]).sum(0).double()  # [L, ranks]
-                    balance = float((window.mean(-1) / window.max(-1).values.clamp_min(1)).mean())
+                    balance = balancedness(torch.tensor(result.rank_load[-cfg.step_interval :]).sum(0))  # [L, ranks]
                     stats = controller.stats
                     progress.write(
                         f"steps {step + 2 - cfg.step_interval:>4}-{step + 1:<4} balancedness {balance:.3f}  "

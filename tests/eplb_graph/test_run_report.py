@@ -1,12 +1,19 @@
 import torch
 
-from eplb_graph.run_report import failed_invariants, windowed_balancedness, without_eplb_rank_load
+from eplb_graph.run_report import (
+    failed_invariants,
+    trailing_balancedness,
+    windowed_balancedness,
+    without_eplb_rank_load,
+)
 
 
 def test_windowed_balancedness_is_mean_over_max_of_summed_rank_load():
     # 4 steps, 1 layer, 2 ranks: windows of 2 steps -> [3+1, 1+3] = balanced, [4+0, 4+0] -> 0.5
     steps = torch.tensor([[[3, 1]], [[1, 3]], [[4, 0]], [[4, 0]]])
     assert windowed_balancedness(steps, 2) == [1.0, 0.5]
+    # trailing windows end at each step: [3,1] -> 2/3, [4,4] -> 1, [5,3] -> 0.8, [8,0] -> 0.5
+    assert trailing_balancedness(steps, 2) == [2 / 3, 1.0, 0.8, 0.5]
 
 
 def test_without_eplb_places_logical_experts_contiguously():
