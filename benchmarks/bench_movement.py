@@ -25,10 +25,7 @@ from pathlib import Path
 
 import torch
 
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+from eplb_graph.run_report import percentile
 
 
 def memcpy_gb_per_s(num_bytes: int = 64 << 20) -> float:
@@ -123,11 +120,11 @@ def rank_main(rank, world_size, init_method, spec_kwargs, steps, window, interva
         "commit_ms_per_layer_p50": round(statistics.median(commit_steps) - statistics.median(steady_end), 3)
         if commit_steps and steady_end else None,
         "steady_p50_ms": round(steady_p50, 3),
-        "steady_p99_ms": round(_percentile(steady, 99), 3),
+        "steady_p99_ms": round(percentile(steady, 99), 3),
         "rearranging_p50_ms": round(statistics.median(rearranging), 3) if rearranging else None,
-        "rearranging_p99_ms": round(_percentile(rearranging, 99), 3) if rearranging else None,
+        "rearranging_p99_ms": round(percentile(rearranging, 99), 3) if rearranging else None,
         "sync_rearrange_step_ms_p50": round(statistics.median(sync_steps), 3),
-        "rearranging_p99_over_steady_p50": round(_percentile(rearranging, 99) / steady_p50, 3) if rearranging else None,
+        "rearranging_p99_over_steady_p50": round(percentile(rearranging, 99) / steady_p50, 3) if rearranging else None,
         "sync_step_over_steady_p50": round(statistics.median(sync_steps) / steady_p50, 3),
     }
 

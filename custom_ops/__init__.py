@@ -27,7 +27,6 @@ from . import layer_routing, routing
 from .layer_routing import LAYER_TABLES, LayerTableRegistry
 
 NAMESPACE = "eplb_graph"
-OP_NAMES = ("map_to_physical", "record_load", "map_and_record", "map_and_record_layer")
 
 
 def _triton_available() -> bool:
@@ -95,7 +94,6 @@ __all__ = [
     "LAYER_TABLES",
     "LayerTableRegistry",
     "NAMESPACE",
-    "OP_NAMES",
     "map_and_record",
     "map_and_record_layer",
     "map_to_physical",

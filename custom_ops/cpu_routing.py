@@ -51,14 +51,15 @@ def _record(physical, load, record_enabled, num_unpadded_tokens):
 
 
 def _flag(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().reshape(1).numpy()
+    """A 1-element view of a flag tensor (bool or int): read inside the loop, never copied."""
+    return tensor.reshape(1).numpy()
 
 
 def map_and_record_cpu(topk_ids, lookup, replica_count, load, record_enabled, num_unpadded_tokens):
     physical = torch.empty_like(topk_ids)
     _map_and_record(
         topk_ids.detach().numpy(), lookup.numpy(), replica_count.numpy(), physical.numpy(), load.detach().numpy(),
-        _flag(record_enabled).astype(np.int64), _flag(num_unpadded_tokens).astype(np.int64), True,
+        _flag(record_enabled), _flag(num_unpadded_tokens), True,
     )
     return physical
 
@@ -76,5 +77,5 @@ def map_to_physical_cpu(topk_ids, lookup, replica_count):
 def record_load_cpu(physical_ids, load, record_enabled, num_unpadded_tokens):
     _record(
         physical_ids.detach().numpy(), load.detach().numpy(),
-        _flag(record_enabled).astype(np.int64), _flag(num_unpadded_tokens).astype(np.int64),
+        _flag(record_enabled), _flag(num_unpadded_tokens),
     )

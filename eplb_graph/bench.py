@@ -17,20 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from pathlib import Path
-
 import time
+from pathlib import Path
 
 import torch
 
 from eplb_graph.launch import run_ranks
+from eplb_graph.run_report import percentile
 from eplb_graph.runner import RunConfig, build_rank_models, prepare_forward, run_rank_and_shut_down
 from eplb_graph.workload import make_batch
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 def _decode_steps(result: dict, rebalancing: bool | None) -> list[float]:
@@ -60,9 +55,9 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
         on_model, _, layers, _ = build_rank_models(on_cfg, rank, world_size, group)
         off_model, _, _, _ = build_rank_models(off_cfg, rank, world_size, group)
         controller = EplbController(layers)
-        on_records: list = []
+        # the backend's verifier is strict: a graph that fails it does not compile
         forwards = {"off": prepare_forward(off_model, off_cfg, [], []),
-                    "on_idle": prepare_forward(on_model, on_cfg, layers, on_records)}
+                    "on_idle": prepare_forward(on_model, on_cfg, layers, [])}
         workload = cfg.workload()
         decode = [make_batch(workload, step, rank) for step in range(1, 8)]  # steps 1..7 are decode
         compile_s = {}
@@ -87,8 +82,7 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
         recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
         controller.close()
     shutdown_expert_parallel()
-    return {"times": times, "compile_s": compile_s, "recompiles": recompiles,
-            "verifier_ok": all(r.report is None or r.report.ok for r in on_records)}
+    return {"times": times, "compile_s": compile_s, "recompiles": recompiles}
 
 
 def _entry(mode: str, eplb: str, steps: list[float], cfg: RunConfig, *, compile_s: float, recompiles: int,
@@ -98,7 +92,7 @@ def _entry(mode: str, eplb: str, steps: list[float], cfg: RunConfig, *, compile_
         "mode": mode,
         "eplb": eplb,
         "p50_ms": round(statistics.median(steps), 3),
-        "p99_ms": round(_percentile(steps, 99), 3),
+        "p99_ms": round(percentile(steps, 99), 3),
         "tokens_per_s": round(tokens / (statistics.median(steps) / 1e3), 1),
         "decode_steps": len(steps),
         "compile_or_capture_s": round(compile_s, 2),
@@ -132,7 +126,7 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int) -> dict:
         results.extend(entries)
         ratios[mode] = {
             "on_idle_over_off": round(entries[1]["p50_ms"] / entries[0]["p50_ms"], 3),
-            "rearranging_p99_over_steady_p50": round(_percentile(rearranging, 99) / statistics.median(steady), 3)
+            "rearranging_p99_over_steady_p50": round(percentile(rearranging, 99) / statistics.median(steady), 3)
             if rearranging else None,
             "steady_p50_ms": round(statistics.median(steady), 3),
         }

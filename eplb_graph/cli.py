@@ -69,9 +69,9 @@ def _run(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
+    from eplb_graph.expert_parallel import shutdown_expert_parallel
     from eplb_graph.launch import run_ranks
     from eplb_graph.run_report import failed_invariants, summarize, write_plots
-    from eplb_graph.expert_parallel import shutdown_expert_parallel
     from eplb_graph.runner import run_rank, run_rank_and_shut_down
 
     config = _run_config(args, progress=not args.json)

@@ -32,6 +32,7 @@ from eplb_graph.layer_lookup import (
 )
 from eplb_graph.upstream_compat import UpstreamCapabilityAdapter
 
+
 class EplbWorkerError(RuntimeError):
     """The async EPLB worker died; EPLB would otherwise be silently off from here on."""
 
@@ -102,7 +103,7 @@ class EplbController:
         check_load_phase(load_phase)
         from vllm.config import get_current_vllm_config
         from vllm.distributed.eplb.eplb_state import EplbState
-        from vllm.distributed.parallel_state import get_eplb_group, get_ep_group
+        from vllm.distributed.parallel_state import get_ep_group, get_eplb_group
 
         from eplb_graph.mover import GlooStagedCommunicator
 

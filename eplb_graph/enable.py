@@ -87,7 +87,7 @@ class CompiledGraphRecord:
     graph_module: fx.GraphModule = field(repr=False)
 
 
-def _to_physical_layout_(weight: torch.Tensor, placement: torch.Tensor) -> nn.Parameter | torch.Tensor:
+def to_physical_layout(weight: torch.Tensor, placement: torch.Tensor) -> nn.Parameter | torch.Tensor:
     """[num_logical, ...] -> [num_physical, ...]: slot p holds logical expert placement[p]."""
     physical = weight.detach()[placement.to(weight.device)].clone()
     if isinstance(weight, nn.Parameter):
@@ -253,7 +253,7 @@ def enable(
     for index, spec in enumerate(specs):
         placement = initial_placement(spec.num_experts, num_redundant_experts)
         for name in spec.expert_param_names:
-            setattr(spec.experts, name, _to_physical_layout_(getattr(spec.experts, name), placement))
+            setattr(spec.experts, name, to_physical_layout(getattr(spec.experts, name), placement))
         adapter.set_num_physical(spec, spec.num_experts + num_redundant_experts)
         tables = LayerLookup(spec.num_experts, spec.num_experts + num_redundant_experts, placement=placement, device=device)
         layers.append(EplbLayer(f"eplb{handle_id}.{index}", spec, tables, flags))

@@ -36,13 +36,11 @@ class StagingPool:
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        self.allocations = 0
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         key = (like.dtype, tuple(like.shape))
         if self._free[key]:
             return self._free[key].pop()
-        self.allocations += 1
         return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin_memory)
 
     def give_back(self, buffers: list[torch.Tensor]) -> None:

@@ -19,6 +19,12 @@ from pathlib import Path
 import torch
 
 
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
 def balancedness(per_rank: torch.Tensor) -> float:
     """mean / max of the load over ranks (the last dim), averaged over any leading dims (layers)."""
     per_rank = per_rank.double()

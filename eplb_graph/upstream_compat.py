@@ -56,9 +56,6 @@ class HostStream:
     def synchronize(self) -> None:
         return None
 
-    def wait_stream(self, other) -> None:
-        return None
-
 
 @contextlib.contextmanager
 def host_device_stream(stream):

@@ -2,11 +2,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.routing_reference import map_to_physical_reference, record_load_reference
 
 from eplb_graph import BatchFlags, build_lookup, validate_placement
 from eplb_graph.custom_ops.routing import map_and_record_composite
 from tests.markers import requires_cuda
+from tests.routing_reference import map_to_physical_reference, record_load_reference
 
 ops = torch.ops.eplb_graph
 
