@@ -24,7 +24,7 @@ import torch
 
 from eplb_graph.launch import run_ranks
 from eplb_graph.run_report import percentile
-from eplb_graph.runner import RunConfig, build_rank_models, prepare_forward, run_rank_and_shut_down
+from eplb_graph.runner import RunConfig, build_rank_models, prepare_forward, rank_session, run_rank_and_shut_down
 from eplb_graph.workload import make_batch
 
 
@@ -39,19 +39,12 @@ def _decode_steps(result: dict, rebalancing: bool | None) -> list[float]:
 def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> dict:
     """EPLB off and EPLB on (identity placement, never rearranging) in the same processes,
     decode steps alternating between the two models, so both see the same machine."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed.parallel_state import get_ep_group
-
     from eplb_graph.controller import EplbController
-    from eplb_graph.expert_parallel import init_expert_parallel, shutdown_expert_parallel
+    from eplb_graph.expert_parallel import shutdown_expert_parallel
 
-    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     on_cfg = dataclasses.replace(cfg, eplb=True, step_interval=cfg.steps * 10, window_size=cfg.steps * 10)
     off_cfg = dataclasses.replace(cfg, eplb=False)
-    config = init_expert_parallel(rank, world_size, init_method, num_redundant_experts=on_cfg.num_redundant,
-                                  window_size=on_cfg.window_size, step_interval=on_cfg.step_interval, timeout_s=60)
-    with set_current_vllm_config(config), torch.no_grad():
-        group = get_ep_group().device_group if world_size > 1 else None
+    with rank_session(rank, world_size, init_method, on_cfg) as (group, _):
         on_model, _, layers, _ = build_rank_models(on_cfg, rank, world_size, group)
         off_model, _, _, _ = build_rank_models(off_cfg, rank, world_size, group)
         controller = EplbController(layers)

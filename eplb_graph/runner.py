@@ -16,8 +16,10 @@ one process, the same expert kernels) and records balancedness from the global l
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -188,22 +190,30 @@ def prepare_forward(model, cfg: RunConfig, rank_layers, records: list):
     return torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
 
 
-def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> dict:
+@contextlib.contextmanager
+def rank_session(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> Iterator[tuple]:
+    """This process as one EP rank: vLLM's groups with the run's EPLB window and interval, the
+    vLLM config current and autograd off. Yields (activation group or None, CPU group)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import get_ep_group
 
-    from eplb_graph.controller import EplbController
     from eplb_graph.expert_parallel import init_expert_parallel
 
-    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))  # the ranks share the cores
     config = init_expert_parallel(
         rank, world_size, init_method, num_redundant_experts=cfg.num_physical - cfg.num_experts,
         window_size=cfg.window_size, step_interval=cfg.step_interval, timeout_s=60,
     )
-    result = RankResult(rank)
     with set_current_vllm_config(config), torch.no_grad():
-        group = get_ep_group().device_group if world_size > 1 else None
-        cpu_group = get_ep_group().cpu_group
+        ep_group = get_ep_group()
+        yield (ep_group.device_group if world_size > 1 else None), ep_group.cpu_group
+
+
+def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> dict:
+    from eplb_graph.controller import EplbController
+
+    result = RankResult(rank)
+    with rank_session(rank, world_size, init_method, cfg) as (group, cpu_group):
         model, reference, rank_layers, flags = build_rank_models(cfg, rank, world_size, group)
         controller = None
         if cfg.eplb:
