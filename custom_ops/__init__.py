@@ -37,6 +37,26 @@ def _numba_available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
+def _on_first_call(module: str, name: str):
+    """A kernel whose module is imported at its first call, not at registration.
+
+    Importing numba pulls llvmlite into ``sys.modules``, and vLLM's CPU worker start scans
+    every module's globals (``triton_utils.dispatcher._rebind_kernels``) and fails on
+    llvmlite's slot-only ``_lib_fn_wrapper``; so the vLLM plugin, which registers these ops
+    in every vLLM process, must not import numba before the worker has started.
+    """
+    kernel = None
+
+    def call(*args):
+        nonlocal kernel
+        if kernel is None:
+            kernel = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+        return kernel(*args)
+
+    call.__name__ = name
+    return call
+
+
 def _register(lib: torch.library.Library) -> None:
     lib.define(routing.MAP_TO_PHYSICAL_SCHEMA)
     lib.define(routing.RECORD_LOAD_SCHEMA)
@@ -49,11 +69,9 @@ def _register(lib: torch.library.Library) -> None:
     }
     cpu = dict(composite)
     if _numba_available():
-        from . import cpu_routing
-
-        cpu["map_to_physical"] = routing.checked_map_to_physical(cpu_routing.map_to_physical_cpu)
-        cpu["record_load"] = routing.checked_record_load(cpu_routing.record_load_cpu)
-        cpu["map_and_record"] = routing.checked_map_and_record(cpu_routing.map_and_record_cpu)
+        cpu["map_to_physical"] = routing.checked_map_to_physical(_on_first_call("cpu_routing", "map_to_physical_cpu"))
+        cpu["record_load"] = routing.checked_record_load(_on_first_call("cpu_routing", "record_load_cpu"))
+        cpu["map_and_record"] = routing.checked_map_and_record(_on_first_call("cpu_routing", "map_and_record_cpu"))
     cuda = dict(composite)
     if _triton_available():
         from . import triton_routing
