@@ -23,7 +23,7 @@ from .router_sites import (
     RouterBinding,
     RouterSite,
     find_router_sites,
-    inside_module,
+    inside_router,
     is_unattributed_router,
     topk_indices,
 )
@@ -79,17 +79,17 @@ def is_id_preserving(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in ID_PRESERVING_FUNCTIONS
 
 
-def _rewire_consumers(graph: fx.Graph, logical: fx.Node, physical: fx.Node, router_path: str) -> None:
+def _rewire_consumers(graph: fx.Graph, logical: fx.Node, physical: fx.Node, binding: RouterBinding) -> None:
     for user in list(logical.users):
         if user is physical:
             continue
-        if not inside_module(user, router_path):
+        if not inside_router(user, binding):
             user.replace_input_with(logical, physical)
         elif is_id_preserving(user):
             with graph.inserting_after(user):
                 twin = graph.node_copy(user, lambda n: physical if n is logical else n)
             twin.meta = dict(user.meta)
-            _rewire_consumers(graph, user, twin, router_path)
+            _rewire_consumers(graph, user, twin, binding)
             if not twin.users:
                 graph.erase_node(twin)
 
@@ -126,7 +126,7 @@ def insert_eplb_routing(
             physical.meta = {k: v for k, v in logical.meta.items() if k in ("val", "example_value", "tensor_meta")}
             physical.meta["nn_module_stack"] = dict(site.topk.meta.get("nn_module_stack") or {})
             physical.meta["stack_trace"] = site.topk.meta.get("stack_trace")
-            _rewire_consumers(graph, logical, physical, site.binding.router_path)
+            _rewire_consumers(graph, logical, physical, site.binding)
             site.mapped.append(physical)
     graph.lint()
     return result

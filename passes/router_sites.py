@@ -24,6 +24,10 @@ class RouterBinding:
     router_path: str  # module path relative to the model root, e.g. "model.layers.0.mlp.gate"
     num_experts: int
     top_k: int
+    # Where router and expert kernel run inside one module (vLLM's MoERunner), the module
+    # path cannot tell them apart; then a node is router-internal only if its innermost
+    # source frame lies in a file whose path contains this fragment.
+    router_source: str | None = None
 
 
 @dataclass
@@ -62,6 +66,25 @@ def path_matches(path: str, registered: str) -> bool:
 
 def inside_module(node: fx.Node, registered: str) -> bool:
     return any(path_matches(path, registered) for path in module_paths(node))
+
+
+_FRAME_FILE = re.compile(r'File "([^"]+)", line \d+')
+
+
+def innermost_source_file(node: fx.Node) -> str | None:
+    """The file of the innermost frame in the node's recorded stack trace, if any."""
+    frames = _FRAME_FILE.findall(node.meta.get("stack_trace") or "")
+    return frames[-1].replace("\\", "/") if frames else None
+
+
+def inside_router(node: fx.Node, binding: RouterBinding) -> bool:
+    """Is the node part of the router's own computation (so it keeps logical ids)?"""
+    if not inside_module(node, binding.router_path):
+        return False
+    if binding.router_source is None:
+        return True
+    source = innermost_source_file(node)
+    return source is not None and binding.router_source in source
 
 
 def is_topk(node: fx.Node) -> bool:

@@ -20,7 +20,7 @@ from torch import fx
 from eplb_graph.custom_ops import LAYER_TABLES
 
 from .insert_routing import is_id_preserving, is_routing_node
-from .router_sites import RouterBinding, find_router_sites, inside_module, is_unattributed_router, topk_indices
+from .router_sites import RouterBinding, find_router_sites, inside_router, is_unattributed_router, topk_indices
 
 # Dynamo and fx.symbolic_trace record the overload packet, ATen graphs the overload.
 MAP_AND_RECORD = (torch.ops.eplb_graph.map_and_record, torch.ops.eplb_graph.map_and_record.default)
@@ -54,7 +54,7 @@ class VerifierReport:
         }
 
 
-def _logical_leaks(logical: fx.Node, router_path: str) -> list[fx.Node]:
+def _logical_leaks(logical: fx.Node, binding: RouterBinding) -> list[fx.Node]:
     """Nodes outside the router that read logical ids, directly or through id-preserving ops
     (casts, views) inside the router. Values the router computes *from* the ids (DeepSeek's
     gathered routing weights) are not ids and may leave it."""
@@ -65,7 +65,7 @@ def _logical_leaks(logical: fx.Node, router_path: str) -> list[fx.Node]:
             if user in seen or is_routing_node(user):
                 continue
             seen.add(user)
-            if not inside_module(user, router_path):
+            if not inside_router(user, binding):
                 leaks.append(user)
             elif is_id_preserving(user):
                 frontier.append(user)
@@ -120,7 +120,7 @@ def verify(
         if node.args[1] != key:
             report.fail(f"{node.name} routes top-k of {key} through layer {node.args[1]!r}")
         for ids in indices:
-            for leak in _logical_leaks(ids, site.binding.router_path):
+            for leak in _logical_leaks(ids, site.binding):
                 report.fail(f"{leak.name} reads logical ids of {key} (from {site.topk.name}) outside the router")
         try:
             layer = LAYER_TABLES.resolve(node.args[1])

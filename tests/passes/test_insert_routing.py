@@ -10,6 +10,7 @@ from eplb_graph.models.hf import HF_FAMILIES, build_tiny_hf_model
 from eplb_graph.models.reference import ReferenceMoEConfig, build_reference_model
 from eplb_graph.passes.insert_routing import UnattributedRouterError, insert_eplb_routing
 from eplb_graph.passes.router_sites import RouterBinding, normalise_module_path
+from eplb_graph.passes.verify import verify
 
 
 def reference_pair(**config):
@@ -258,3 +259,56 @@ def test_eager_experts_implementation_is_rejected():
     model.config._experts_implementation = "eager"
     with pytest.raises(ValueError, match="experts implementation 'eager' is not graph-safe"):
         eplb_graph.enable(model)
+
+
+def _shared_module_graph():
+    """vLLM's shape: router and expert kernel inside one module, told apart by source file.
+
+    top-k -> ids -> cast (router file) -> experts (experts file); ids -> gather (router file).
+    """
+    import operator
+
+    graph = torch.fx.Graph()
+    probs = graph.placeholder("probs")
+    probs.meta["example_value"] = torch.empty(4, 8)
+    stack = {"a": ("L['self'].layers.0.mlp.experts", torch.nn.Module)}
+    router_frame = 'File "/site/vllm/model_executor/layers/fused_moe/router/cpu_router.py", line 9, in _softmax_topk\n  x'
+    experts_frame = 'File "/site/vllm/model_executor/layers/fused_moe/experts/cpu_moe.py", line 3, in apply\n  y'
+
+    def node(target, args, frame):
+        n = graph.call_method(target, args) if isinstance(target, str) else graph.call_function(target, args)
+        n.meta["nn_module_stack"] = dict(stack)
+        n.meta["stack_trace"] = frame
+        return n
+
+    topk = node(torch.topk, (probs, 2), router_frame)
+    ids = node(operator.getitem, (topk, 1), router_frame)
+    weights_of_ids = node(torch.gather, (probs, 1, ids), router_frame)
+    cast = node("int", (ids,), router_frame)
+    experts = node(torch.add, (cast, 0), experts_frame)
+    graph.output((experts, weights_of_ids))
+    return graph, {"ids": ids, "gather": weights_of_ids, "cast": cast, "experts": experts}
+
+
+def test_router_source_splits_router_and_experts_sharing_one_module():
+    graph, nodes = _shared_module_graph()
+    binding = RouterBinding(
+        "eplb-test.0", "layers.0.mlp.experts", num_experts=8, top_k=2,
+        router_source="layers/fused_moe/router/",
+    )
+    result = insert_eplb_routing(graph, [binding], strict=True)
+    assert result.routers_mapped == 1
+    (physical,) = result.mapped_sites[0].mapped
+    assert nodes["gather"].args[2] is nodes["ids"]  # the router keeps logical ids for its weights
+    experts_input = nodes["experts"].args[0]
+    assert experts_input is not nodes["cast"] and experts_input.args[0] is physical  # a twin cast of physical ids
+    leaks = [p for p in verify(graph, [binding]).problems if "reads logical ids" in p]
+    assert leaks == []  # (no live layer is registered for this key: only the id-flow check matters here)
+
+
+def test_without_router_source_the_shared_module_would_keep_logical_ids():
+    """Why router_source exists: by module path alone the expert kernel looks router-internal."""
+    graph, nodes = _shared_module_graph()
+    binding = RouterBinding("eplb-test.0", "layers.0.mlp.experts", num_experts=8, top_k=2)
+    insert_eplb_routing(graph, [binding], strict=True)
+    assert nodes["experts"].args[0] is nodes["cast"] and nodes["cast"].args[0] is nodes["ids"]
