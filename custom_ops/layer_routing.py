@@ -63,6 +63,10 @@ class LayerTableRegistry:
             )
         return layer
 
+    def live(self) -> list[RoutingTables]:
+        """The layers registered now and still alive, in registration order."""
+        return [layer for layer in (ref() for ref in self._layers.values()) if layer is not None]
+
     def __contains__(self, key: str) -> bool:
         ref = self._layers.get(key)
         return ref is not None and ref() is not None

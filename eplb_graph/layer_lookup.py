@@ -116,6 +116,19 @@ class BatchFlags:
         self.record_enabled = torch.ones((), dtype=torch.bool, device=device)
         self.num_unpadded_tokens = torch.zeros((), dtype=torch.int64, device=device)
 
+    @classmethod
+    def sharing(cls, record_enabled: torch.Tensor, num_unpadded_tokens: torch.Tensor) -> BatchFlags:
+        """Flags backed by tensors someone else fills (upstream vLLM's ``EplbState``)."""
+        for name, flag in (("record_enabled", record_enabled), ("num_unpadded_tokens", num_unpadded_tokens)):
+            if flag.numel() != 1:
+                raise ValueError(f"{name} must be a 1-element tensor, got shape {tuple(flag.shape)}")
+        if record_enabled.device != num_unpadded_tokens.device:
+            raise ValueError(f"flags on different devices: {record_enabled.device} and {num_unpadded_tokens.device}")
+        flags = cls.__new__(cls)
+        flags.record_enabled = record_enabled
+        flags.num_unpadded_tokens = num_unpadded_tokens
+        return flags
+
     def set_(self, *, record: bool, num_unpadded_tokens: int) -> None:
         if num_unpadded_tokens < 0:
             raise ValueError(f"num_unpadded_tokens must be >= 0, got {num_unpadded_tokens}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +56,37 @@ class HostStream:
 
     def synchronize(self) -> None:
         return None
+
+
+class HostTimingEvent:
+    """``torch.Event(enable_timing=True)`` on a host: wall-clock marks, nothing to wait for."""
+
+    def __init__(self, enable_timing: bool = False, **_ignored) -> None:
+        self._at: float | None = None
+
+    def record(self, stream=None) -> None:
+        self._at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: HostTimingEvent) -> float:
+        if self._at is None or end._at is None:
+            raise RuntimeError("elapsed_time() needs both events recorded")
+        return (end._at - self._at) * 1000.0  # milliseconds, like a device event
+
+
+class TorchWithHostEvents:
+    """``torch`` as ``eplb_state`` sees it on a host device: torch itself, except ``Event``.
+
+    ``EplbState.rearrange`` times itself with ``torch.Event(enable_timing=True)`` (rank 0,
+    synchronous or profile rearrangements); the CPU platform has no such event.
+    """
+
+    Event = HostTimingEvent
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
 
 
 @contextlib.contextmanager
@@ -132,6 +164,7 @@ class UpstreamCapabilityAdapter:
         if self.host_device:
             # Events and streams: the names as each module imported them.
             self._patch(eplb_state, "CpuGpuEvent", HostEvent)
+            self._patch(eplb_state, "torch", TorchWithHostEvents())
             self._patch(async_worker, "CpuGpuEvent", HostEvent)
             for module in (async_worker, rebalance_execute, eplb_communicator):
                 self._patch(module, "device_stream", host_device_stream)
