@@ -1,0 +1,137 @@
+"""The engine-config gate: checks an EPLB request, lifts vLLM's CPU refusal, installs the pass.
+
+Wraps ``EngineArgs.create_engine_config`` (the plugin loads in ``EngineArgs.__post_init__``,
+before it runs). With ``enable_eplb`` off it calls upstream and changes nothing. With it
+on it:
+
+1. refuses, before any process starts, what eplb-graph cannot serve, naming it:
+   synchronous EPLB, elastic EP (upstream runs it synchronously), dual-batch overlap,
+   vllm-ascend's V1-only EPLB controls mixed with ``enable_eplb``, a quantization with no
+   expert-weight view, and, on CPU, expert parallel over more than one process;
+2. on CPU, where ``ParallelConfig`` refuses EPLB (CUDA/ROCm/XPU only, and TP x PCP x DP > 1),
+   builds the config with EPLB off and then sets the user's EPLB fields on the result --
+   the capability adapter makes upstream's EPLB work there (``worker.py``);
+3. puts ``VllmEplbPass`` into the post-grad pass slot, wrapping a user pass found there.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+# vllm-ascend Model Runner V1 EPLB controls (``additional_config``); the upstream control
+# plane we build on is configured by ``eplb_config`` and the two cannot be mixed.
+LEGACY_EPLB_CONTROLS = (
+    "dynamic_eplb",
+    "expert_map_path",
+    "expert_map_record_path",
+    "init_redundancy_expert",
+    "num_iterations_eplb_update",
+    "num_wait_worker_iterations",
+    "gate_eplb",
+)
+# Quantizations whose fused-MoE kernel reads storage a weight view exposes (see weight_views.py).
+SUPPORTED_QUANTIZATIONS = (None,)
+# vLLM's CPU fused-MoE kernel ignores the expert map under expert parallel: a worker with
+# EP > 1 segfaults in csrc/cpu/cpu_fused_moe.cpp at the first forward (fp32 and bf16).
+CPU_EP_LIMIT = 1
+PASS_SLOT = "post_grad_custom_post_pass"
+_GATE_MARK = "__eplb_graph_gate__"
+
+
+class EplbConfigError(ValueError):
+    """EPLB was requested in a combination eplb-graph cannot serve."""
+
+
+def check_eplb_request(engine_args, *, on_cpu: bool) -> None:
+    """Raises EplbConfigError naming every unsupported part of an EPLB request."""
+    problems = []
+    eplb = engine_args.eplb_config
+    if not eplb.use_async:
+        problems.append("synchronous EPLB (eplb_config.use_async=False): eplb-graph supports asynchronous EPLB only")
+    if engine_args.enable_elastic_ep:
+        problems.append("enable_elastic_ep=True: upstream elastic EP runs EPLB synchronously")
+    if engine_args.enable_dbo:
+        problems.append("enable_dbo=True: dual-batch overlap splits the unpadded-token count per micro-batch")
+    legacy = sorted(set(engine_args.additional_config or {}) & set(LEGACY_EPLB_CONTROLS))
+    if legacy:
+        problems.append(
+            f"additional_config {legacy}: Model Runner V1 EPLB controls cannot be mixed with enable_eplb/eplb_config"
+        )
+    if not engine_args.enable_expert_parallel:
+        problems.append("enable_expert_parallel=False: EPLB needs expert parallel")
+    if engine_args.quantization not in SUPPORTED_QUANTIZATIONS:
+        problems.append(quantization_problem(engine_args.quantization))
+    if on_cpu:
+        ep_size = engine_args.tensor_parallel_size * engine_args.data_parallel_size * getattr(
+            engine_args, "prefill_context_parallel_size", 1
+        )
+        if ep_size > CPU_EP_LIMIT:
+            problems.append(
+                f"expert parallel over {ep_size} processes on CPU: vLLM's CPU fused-MoE kernel ignores the expert "
+                f"map and crashes (cpu_fused_moe.cpp); use one process with num_redundant_experts"
+            )
+    if problems:
+        raise EplbConfigError("eplb-graph cannot serve this EPLB request:\n  " + "\n  ".join(problems))
+
+
+def quantization_problem(quantization: str | None) -> str:
+    supported = ", ".join("unquantized" if q is None else q for q in SUPPORTED_QUANTIZATIONS)
+    return f"quantization={quantization!r} has no expert-weight view for EPLB movement (supported: {supported})"
+
+
+def install_pass(compilation_config) -> None:
+    """Our pass in the post-grad slot, wrapping (never replacing) a user pass there. Idempotent."""
+    from .graph_pass import VllmEplbPass
+
+    slot = compilation_config.inductor_compile_config
+    existing = slot.get(PASS_SLOT)
+    if isinstance(existing, VllmEplbPass):
+        return
+    slot[PASS_SLOT] = VllmEplbPass(user_pass=existing)
+
+
+def create_engine_config_with_eplb(upstream_create, engine_args, *args, **kwargs):
+    from vllm.platforms import current_platform
+
+    if not engine_args.enable_eplb:
+        return upstream_create(engine_args, *args, **kwargs)  # plugin installed, EPLB off: upstream as is
+    on_cpu = current_platform.is_cpu()
+    check_eplb_request(engine_args, on_cpu=on_cpu)
+    requested = copy.deepcopy(engine_args.eplb_config)
+    if on_cpu:
+        from vllm.config.parallel import EPLBConfig
+
+        # ParallelConfig would refuse: build with EPLB off, then set the request on the result.
+        engine_args.enable_eplb, engine_args.eplb_config = False, EPLBConfig()
+        try:
+            config = upstream_create(engine_args, *args, **kwargs)
+        finally:
+            engine_args.enable_eplb, engine_args.eplb_config = True, requested
+        if requested.communicator is None:
+            requested.communicator = "torch_gloo"  # upstream's auto-selection lives in the validator we skipped
+        config.parallel_config.enable_eplb = True
+        config.parallel_config.eplb_config = requested
+    else:
+        config = upstream_create(engine_args, *args, **kwargs)
+    quantization = config.model_config.quantization if config.model_config is not None else None
+    if quantization not in SUPPORTED_QUANTIZATIONS:  # detected from the checkpoint, not the arguments
+        raise EplbConfigError("eplb-graph cannot serve this EPLB request:\n  " + quantization_problem(quantization))
+    install_pass(config.compilation_config)
+    return config
+
+
+def install_engine_config_gate() -> None:
+    """Wraps ``EngineArgs.create_engine_config`` once per process."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    upstream_create = EngineArgs.create_engine_config
+    if getattr(upstream_create, _GATE_MARK, False):
+        return
+
+    @functools.wraps(upstream_create)
+    def create_engine_config(self, *args, **kwargs):
+        return create_engine_config_with_eplb(upstream_create, self, *args, **kwargs)
+
+    setattr(create_engine_config, _GATE_MARK, True)
+    EngineArgs.create_engine_config = create_engine_config

@@ -1,0 +1,125 @@
+"""Our routing state for one vLLM MoE layer (``MoERunner``), bound to upstream's EPLB tensors.
+
+Upstream's ``EplbLayerState`` holds the layer's row of ``expert_load_pass``, its
+logical->physical map (``[num_logical, 1024]`` int64, -1 padded), its replica counts and
+the two flags ``EplbState`` shares with every layer (record this batch, unpadded tokens).
+Our op records into upstream's load row and reads upstream's flags -- exactly what the
+router's EPLB hook does on CUDA -- but maps through our own tight ``LayerLookup``, which is
+refreshed in place from upstream's committed placement at each commit point.
+``check_agrees_with_upstream`` proves after every refresh that both say the same.
+
+Each layer is mapped by exactly one mechanism (``mapped_by``):
+
+* ``graph_pass``: vLLM traces the router's top-k (the CPU path); the post-grad pass inserts
+  ``map_and_record_layer`` after it;
+* ``router_adapter``: top-k runs where no pass sees it (eager, or inside the opaque
+  ``torch.ops.vllm.moe_forward`` on CUDA and Ascend); the router instance's EPLB mapping
+  hook is bound to our op (``router_adapter.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eplb_graph.layer_lookup import BatchFlags, LayerLookup, RoutedLayer
+from eplb_graph.passes.router_sites import RouterBinding
+
+GRAPH_PASS = "graph_pass"
+ROUTER_ADAPTER = "router_adapter"
+MAPPING_MECHANISMS = (GRAPH_PASS, ROUTER_ADAPTER)
+
+# vLLM runs the router and the fused experts inside one module (MoERunner); the router's
+# own nodes are the ones whose innermost frame is in vLLM's router package.
+VLLM_ROUTER_SOURCE = "layers/fused_moe/router/"
+
+
+class EplbStateDivergedError(RuntimeError):
+    """Our lookup and upstream's EplbLayerState disagree after a commit."""
+
+
+class VllmMoELayer(RoutedLayer):
+    """One vLLM MoE layer under eplb-graph: our lookup, upstream's load row and flags."""
+
+    def __init__(
+        self,
+        moe_runner: torch.nn.Module,
+        *,
+        num_logical_experts: int,
+        num_physical_experts: int,
+        placement: torch.Tensor,
+        mapped_by: str,
+        router_path: str | None,
+    ) -> None:
+        if mapped_by not in MAPPING_MECHANISMS:
+            raise ValueError(f"mapped_by must be one of {MAPPING_MECHANISMS}, got {mapped_by!r}")
+        if mapped_by == GRAPH_PASS and not router_path:
+            raise ValueError(f"layer {moe_runner.layer_name}: the graph pass needs the layer's module path")
+        upstream = moe_runner.eplb_state
+        missing = [
+            name
+            for name in ("expert_load_view", "logical_to_physical_map", "logical_replica_count",
+                         "should_record_tensor", "num_unpadded_tokens_tensors")
+            if upstream is None or getattr(upstream, name) is None
+        ]
+        if missing:
+            raise RuntimeError(
+                f"layer {moe_runner.layer_name}: upstream EPLB state lacks {', '.join(missing)}; "
+                f"EplbState.add_model must run before eplb-graph binds the layer"
+            )
+        tables = LayerLookup(
+            num_logical_experts, num_physical_experts, placement=placement, device=upstream.expert_load_view.device
+        )
+        tables.bind_load_(upstream.expert_load_view[:num_physical_experts])
+        flags = BatchFlags.sharing(upstream.should_record_tensor, upstream.num_unpadded_tokens_tensors[0])
+        super().__init__(moe_runner.layer_name, tables, flags)
+        self.upstream = upstream
+        self.router = moe_runner.router
+        self.top_k = int(moe_runner.router.top_k)
+        self.mapped_by = mapped_by
+        self.router_path = router_path
+        self.graph_mappings = 0  # routing nodes the pass inserted for this layer (0 if a cached graph was served)
+        self.host_calls = 0  # op calls the host saw (eager and CPU graphs; a replayed device graph adds none)
+        self.check_agrees_with_upstream()
+
+    def router_binding(self) -> RouterBinding:
+        return RouterBinding(
+            self.key, self.router_path or "", self.tables.num_logical_experts, self.top_k, router_source=VLLM_ROUTER_SOURCE
+        )
+
+    def routing_tensors(self):
+        self.host_calls += 1
+        return super().routing_tensors()
+
+    def refresh_from_upstream_(self, committed_placement: torch.Tensor) -> bool:
+        """Routes by upstream's committed placement from now on. Returns whether it changed."""
+        before = self.tables.physical_to_logical.clone()
+        self.tables.refresh_(committed_placement)
+        self.check_agrees_with_upstream()
+        return not torch.equal(before, self.tables.physical_to_logical)
+
+    def check_agrees_with_upstream(self) -> None:
+        """Our [L, R] lookup equals the first R columns of upstream's map; the rest is padding."""
+        ours_lookup = self.tables.lookup.cpu()  # [num_logical, R]
+        ours_counts = self.tables.replica_count.cpu()  # [num_logical]
+        upstream_map = self.upstream.logical_to_physical_map.cpu()  # [num_logical, 1024]
+        upstream_counts = self.upstream.logical_replica_count.cpu()  # [num_logical]
+        width = ours_lookup.shape[1]
+        problems = []
+        if not torch.equal(ours_counts.to(torch.int64), upstream_counts.to(torch.int64)):
+            problems.append(f"replica counts {ours_counts.tolist()} vs upstream {upstream_counts.tolist()}")
+        if not torch.equal(ours_lookup.to(torch.int64), upstream_map[:, :width].to(torch.int64)):
+            problems.append("logical->physical slots differ")
+        if (upstream_map[:, width:] != -1).any():
+            problems.append(f"upstream lists more than {width} replicas for some expert")
+        if problems:
+            raise EplbStateDivergedError(f"layer {self.key}: our lookup and upstream's EplbLayerState disagree: "
+                                         + "; ".join(problems))
+
+    def summary(self) -> dict:
+        return {
+            "mapped_by": self.mapped_by,
+            "graph_mappings": self.graph_mappings,
+            "host_calls": self.host_calls,
+            "placement": self.tables.physical_to_logical.tolist(),
+            "recorded_load": int(self.tables.load.sum()),
+        }

@@ -1,0 +1,206 @@
+"""eplb-graph inside one vLLM worker: binds every MoE layer of the runner's model after load.
+
+Upstream owns the EPLB state machine; the runner steps it (``prepare_forward`` before each
+forward, ``eplb_step`` after). This object only connects the boundaries:
+
+* on a platform where upstream's runner builds no ``EplbState`` (the CPU model runner),
+  it builds one exactly as the GPU runner does (``add_model``, then the async loop);
+* the capability adapter lets the async worker run without device events or streams and
+  calls ``_after_commit`` between upstream's commit of a layer and its acknowledgement,
+  so our lookups never route by an uncommitted placement (invariants 3, 6);
+* every MoE layer becomes a ``VllmMoELayer`` mapped by exactly one mechanism;
+* ``verify_mapping`` checks after warm-up that each layer was routed by its mechanism;
+* a dead async worker is raised on the runner's next EPLB step instead of silently
+  leaving EPLB off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from eplb_graph.controller import EplbWorkerError
+from eplb_graph.layer_lookup import validate_placement
+from eplb_graph.upstream_compat import UpstreamCapabilityAdapter
+
+from . import router_adapter
+from .layers import GRAPH_PASS, ROUTER_ADAPTER, VllmMoELayer
+
+
+class EplbMappingError(RuntimeError):
+    """A layer is routed by no mechanism, or by two."""
+
+
+@dataclass
+class WorkerStats:
+    layers_committed: int = 0
+    rearrangements_committed: int = 0  # commits of a model's last layer (or of all layers at once)
+    placement_changes: int = 0  # layer commits that changed the layer's placement
+    rejected_placements: list[str] = field(default_factory=list)
+
+
+def compiled_roots(model: torch.nn.Module) -> list[str]:
+    """Module paths vLLM compiles (its ``support_torch_compile`` classes), deepest first."""
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    roots = [name for name, module in model.named_modules() if isinstance(module, TorchCompileWithNoGuardsWrapper)]
+    return sorted(roots, key=len, reverse=True)
+
+
+def relative_path(path: str, roots: list[str]) -> str | None:
+    """``model.layers.0.mlp.experts`` under root ``model`` -> ``layers.0.mlp.experts``."""
+    for root in roots:
+        if root == "":
+            return path
+        if path.startswith(root + "."):
+            return path[len(root) + 1 :]
+    return None
+
+
+def mapping_mechanism(moe_runner: torch.nn.Module, compilation_config, traced_path: str | None) -> str:
+    """The pass maps a layer only where Inductor compiles a graph in which its top-k is traced."""
+    from vllm.config import CompilationMode
+
+    opaque_entries = (torch.ops.vllm.moe_forward, torch.ops.vllm.moe_forward_shared)
+    traced = getattr(moe_runner, "_forward_entry", None) not in opaque_entries
+    compiled = compilation_config.mode in (CompilationMode.DYNAMO_TRACE_ONCE, CompilationMode.VLLM_COMPILE)
+    inductor = compilation_config.backend in ("inductor", "")
+    return GRAPH_PASS if traced and compiled and inductor and traced_path is not None else ROUTER_ADAPTER
+
+
+class VllmEplbWorker:
+    """EPLB of one model runner in graph mode; created by the plugin after ``load_model``."""
+
+    def __init__(self, runner) -> None:
+        from vllm.distributed.eplb.eplb_state import EplbState
+        from vllm.model_executor.models.interfaces import get_mixture_of_experts_model
+
+        self.runner = runner
+        self.stats = WorkerStats()
+        self.layers_by_model: dict[int, list[VllmMoELayer]] = {}
+        parallel_config = runner.parallel_config
+        # Installed before EplbState exists: it constructs events and starts the worker.
+        self.compat = UpstreamCapabilityAdapter(
+            torch.device(runner.device), commit_hook=self._after_commit, placement_check=self._check_placements
+        ).install()
+        self.built_upstream_state = runner.eplb_state is None
+        if self.built_upstream_state:
+            moe_model = get_mixture_of_experts_model(runner.model)
+            if moe_model is None:
+                raise ValueError(f"enable_eplb=True but {type(runner.model).__name__} has no EPLB-capable MoE layers")
+            runner.eplb_state = EplbState(parallel_config, runner.device)
+            runner._moe_model = moe_model
+            runner.eplb_state.add_model(moe_model, runner.model_config)
+
+        paths = {id(module): name for name, module in runner.model.named_modules()}
+        roots = compiled_roots(runner.model)
+        compilation_config = runner.vllm_config.compilation_config
+        for model_state in runner.eplb_state.model_states.values():
+            model = model_state.model
+            committed = model_state.physical_to_logical_map.cpu()  # [L, num_physical]
+            layers = []
+            for index, moe_runner in enumerate(model.moe_layers):
+                traced_path = relative_path(paths.get(id(moe_runner), ""), roots)
+                mapped_by = mapping_mechanism(moe_runner, compilation_config, traced_path)
+                layer = VllmMoELayer(
+                    moe_runner,
+                    num_logical_experts=model.num_logical_experts,
+                    num_physical_experts=model.num_physical_experts,
+                    placement=committed[index],
+                    mapped_by=mapped_by,
+                    router_path=traced_path,
+                )
+                if mapped_by == ROUTER_ADAPTER:
+                    router_adapter.bind_router(moe_runner.router, layer.key)
+                layers.append(layer)
+            self.layers_by_model[id(model)] = layers
+        self._wrap_runner_steps()
+        if self.built_upstream_state and runner.eplb_state.is_async:
+            runner.eplb_state.start_async_loop()
+
+    @property
+    def layers(self) -> list[VllmMoELayer]:
+        return [layer for layers in self.layers_by_model.values() for layer in layers]
+
+    # -- upstream hooks ---------------------------------------------------------------
+
+    def _check_placements(self, placements: torch.Tensor) -> None:
+        layers = self.layers
+        if placements.dim() != 2 or placements.shape[0] != len(layers):
+            raise ValueError(f"policy returned placements of shape {tuple(placements.shape)}, expected {len(layers)} layers")
+        for layer, placement in zip(layers, placements):
+            t = layer.tables
+            validate_placement(placement, t.num_logical_experts, t.num_physical_experts, t.max_replicas)
+
+    def _after_commit(self, model_state, layer_index: int | None) -> None:
+        layers = self.layers_by_model.get(id(model_state.model), [])
+        committed = model_state.physical_to_logical_map.cpu()  # upstream's placement is the truth
+        indices = range(len(layers)) if layer_index is None else [layer_index]
+        for index in indices:
+            if layers[index].refresh_from_upstream_(committed[index]):
+                self.stats.placement_changes += 1
+            self.stats.layers_committed += 1
+        if layer_index is None or layer_index == len(layers) - 1:
+            self.stats.rearrangements_committed += 1
+
+    # -- runner integration -------------------------------------------------------------
+
+    def _wrap_runner_steps(self) -> None:
+        """Instance attributes on this runner only: the worker's health after each EPLB step,
+        the mapping check after warm-up (the first forwards through the compiled graph)."""
+        runner = self.runner
+        upstream_step = runner.eplb_step
+        upstream_warm_up = getattr(runner, "warming_up_model", None)
+
+        def eplb_step(*args, **kwargs):
+            upstream_step(*args, **kwargs)
+            self.check_worker()
+
+        runner.eplb_step = eplb_step
+        if upstream_warm_up is not None:
+            def warming_up_model(*args, **kwargs):
+                result = upstream_warm_up(*args, **kwargs)
+                self.verify_mapping(require_calls=True)  # warm-up ran the compiled graph
+                return result
+
+            runner.warming_up_model = warming_up_model
+
+    def check_worker(self) -> None:
+        health = self.compat.health
+        self.stats.rejected_placements = list(health.rejected_placements)
+        if health.error is not None:
+            raise EplbWorkerError(
+                f"vLLM's async EPLB worker died: {health.error!r}; the last committed placement stays in force\n"
+                f"{health.traceback}"
+            ) from health.error
+
+    def verify_mapping(self, *, require_calls: bool) -> dict[str, str]:
+        """Each layer is routed by exactly its mechanism; returns {layer: mechanism}."""
+        problems = []
+        for layer in self.layers:
+            adapter_bound = router_adapter.is_bound(layer.router)
+            if layer.mapped_by == GRAPH_PASS and adapter_bound:
+                problems.append(f"{layer.key}: mapped by the graph pass but its router adapter is bound too")
+            if layer.mapped_by == ROUTER_ADAPTER and (not adapter_bound or layer.graph_mappings):
+                problems.append(f"{layer.key}: mapped by the router adapter but bound={adapter_bound}, "
+                                f"graph mappings={layer.graph_mappings}")
+            if require_calls and layer.mapped_by == GRAPH_PASS and layer.host_calls == 0:
+                problems.append(f"{layer.key}: mapped by the graph pass, but the compiled graph never ran the routing "
+                                f"op for it (a compile-cache entry built without eplb-graph?)")
+        if problems:
+            raise EplbMappingError("eplb-graph routing check failed:\n  " + "\n  ".join(problems))
+        return {layer.key: layer.mapped_by for layer in self.layers}
+
+    def summary(self) -> dict:
+        return {
+            "layers": {layer.key: layer.summary() for layer in self.layers},
+            "layers_committed": self.stats.layers_committed,
+            "rearrangements_committed": self.stats.rearrangements_committed,
+            "placement_changes": self.stats.placement_changes,
+            "rejected_placements": list(self.compat.health.rejected_placements),
+            "worker_error": None if self.compat.health.error is None else repr(self.compat.health.error),
+            "built_upstream_state": self.built_upstream_state,
+            # tokens per physical expert upstream holds in its window (what the policy sees)
+            "load_window_total": sum(int(s.expert_load_window.sum()) for s in self.runner.eplb_state.model_states.values()),
+        }

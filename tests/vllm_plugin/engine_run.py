@@ -1,0 +1,73 @@
+"""One vLLM engine run with the plugin installed; prints one JSON line (run as a script).
+
+Used by test_engine.py: each engine start gets its own process (vLLM keeps global state).
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the worker's
+EPLB state can be read directly after generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--eplb", choices=["on", "off"], required=True)
+    parser.add_argument("--mode", choices=["compiled", "eager"], default="compiled")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--window", type=int, default=4)
+    parser.add_argument("--interval", type=int, default=8)
+    parser.add_argument("--redundant", type=int, default=4)
+    args = parser.parse_args()
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from torch._dynamo.utils import counters
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eplb_graph.vllm_plugin.tiny_model import write_tiny_qwen3_moe_checkpoint
+
+    model_dir = write_tiny_qwen3_moe_checkpoint(tempfile.mkdtemp(prefix="eplb-graph-qwen3moe-"))
+    kwargs = dict(
+        model=str(model_dir), skip_tokenizer_init=True, dtype="float32",
+        max_model_len=128, max_num_seqs=args.prompts, seed=0, enforce_eager=args.mode == "eager",
+    )
+    if args.eplb == "on":
+        kwargs.update(
+            enable_expert_parallel=True, enable_eplb=True,
+            eplb_config={"window_size": args.window, "step_interval": args.interval,
+                         "num_redundant_experts": args.redundant, "use_async": True},
+        )
+    llm = LLM(**kwargs)
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    worker = getattr(runner, "eplb_graph", None)
+    dynamo_graphs_after_warm_up = counters["stats"]["unique_graphs"]
+    pass_runs_after_warm_up = sum(layer.graph_mappings for layer in worker.layers) if worker else 0
+
+    prompts = [TokensPrompt(prompt_token_ids=[5 + i, 17 * i % 500 + 3, 40 + 3 * i, 7]) for i in range(args.prompts)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True),
+                           use_tqdm=False)
+    result = {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "enable_eplb": runner.parallel_config.enable_eplb,
+        # Dynamo graphs compiled during generation, and graphs our pass rewrote during it
+        "recompiles_after_warm_up": counters["stats"]["unique_graphs"] - dynamo_graphs_after_warm_up,
+        "pass_runs_after_warm_up": (sum(layer.graph_mappings for layer in worker.layers) if worker else 0)
+        - pass_runs_after_warm_up,
+        "dynamo_graphs": counters["stats"]["unique_graphs"],
+        "eplb": None if worker is None else {**worker.summary(), "mapping": worker.verify_mapping(require_calls=True)},
+        "pass_installed": type(llm.llm_engine.vllm_config.compilation_config.inductor_compile_config.get(
+            "post_grad_custom_post_pass")).__name__,
+    }
+    print("ENGINE_RUN_RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""The engine-config gate, on vLLM's real EngineArgs (no engine is started).
+
+EngineArgs.__post_init__ loads the installed ``vllm.general_plugins`` entry point, so these
+tests go through exactly the path a user's ``LLM(...)`` takes up to the engine config.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import fx
+
+pytest.importorskip("vllm")
+
+from vllm.compilation.passes.inductor_pass import CallableInductorPass  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+
+from eplb_graph.vllm_plugin.config_gate import EplbConfigError  # noqa: E402
+from eplb_graph.vllm_plugin.graph_pass import VllmEplbPass  # noqa: E402
+from eplb_graph.vllm_plugin.tiny_model import write_tiny_qwen3_moe  # noqa: E402
+
+EPLB = {"window_size": 4, "step_interval": 8, "num_redundant_experts": 2}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_qwen3_moe(tmp_path_factory.mktemp("qwen3moe")))
+
+
+def engine_args(model_dir: str, **overrides) -> EngineArgs:
+    kwargs = dict(model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype="float32", max_model_len=128)
+    return EngineArgs(**{**kwargs, **overrides})
+
+
+def eplb_args(model_dir: str, **overrides) -> EngineArgs:
+    eplb = {**EPLB, **overrides.pop("eplb", {})}
+    return engine_args(model_dir, **{"enable_expert_parallel": True, "enable_eplb": True, "eplb_config": eplb, **overrides})
+
+
+def test_plugin_is_loaded_by_vllm_and_wraps_engine_config_creation(model_dir):
+    engine_args(model_dir)  # __post_init__ loads general plugins
+    assert getattr(EngineArgs.create_engine_config, "__eplb_graph_gate__", False)
+
+
+def test_eplb_off_changes_nothing(model_dir):
+    args = engine_args(model_dir)
+    with_plugin = args.create_engine_config()
+    upstream = EngineArgs.create_engine_config.__wrapped__(engine_args(model_dir))
+    assert not with_plugin.parallel_config.enable_eplb
+    assert "post_grad_custom_post_pass" not in with_plugin.compilation_config.inductor_compile_config
+    assert with_plugin.compute_hash() == upstream.compute_hash()
+
+
+def test_eplb_on_cpu_is_lifted_with_the_requested_config_and_our_pass(model_dir):
+    config = eplb_args(model_dir).create_engine_config()
+    parallel = config.parallel_config
+    assert parallel.enable_eplb and parallel.enable_expert_parallel
+    assert parallel.eplb_config.num_redundant_experts == 2
+    assert (parallel.eplb_config.window_size, parallel.eplb_config.step_interval) == (4, 8)
+    assert parallel.eplb_config.use_async and parallel.eplb_config.communicator == "torch_gloo"
+    slot = config.compilation_config.inductor_compile_config["post_grad_custom_post_pass"]
+    assert isinstance(slot, VllmEplbPass) and slot.user_pass is None
+
+
+def test_a_users_post_grad_pass_is_kept_and_still_runs(model_dir):
+    seen = []
+
+    def user_pass(graph: fx.Graph) -> None:
+        seen.append(len(graph.nodes))
+
+    user = CallableInductorPass(user_pass, "user-pass-v1")
+    config = eplb_args(
+        model_dir, compilation_config={"inductor_compile_config": {"post_grad_custom_post_pass": user}}
+    ).create_engine_config()
+    slot = config.compilation_config.inductor_compile_config["post_grad_custom_post_pass"]
+    assert isinstance(slot, VllmEplbPass) and slot.user_pass.uuid() == user.uuid()  # vLLM copies the config
+    graph = fx.symbolic_trace(torch.nn.Linear(2, 2)).graph
+    slot(graph)  # no EPLB layers live in this process: ours maps nothing, the user's runs
+    assert seen == [len(graph.nodes)]
+    assert slot.uuid() != VllmEplbPass().uuid()  # the user's pass is part of the cache key
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"eplb": {"use_async": False}}, "synchronous EPLB"),
+        ({"additional_config": {"dynamic_eplb": True, "expert_map_path": "/x.json"}}, "['dynamic_eplb', 'expert_map_path']"),
+        ({"quantization": "fp8"}, "quantization='fp8'"),
+        ({"enable_dbo": True}, "enable_dbo=True"),
+        ({"enable_expert_parallel": False}, "enable_expert_parallel=False"),
+        ({"tensor_parallel_size": 2}, "expert parallel over 2 processes on CPU"),
+    ],
+)
+def test_unsupported_combinations_are_refused_by_name_before_anything_starts(model_dir, overrides, named):
+    args = eplb_args(model_dir, **overrides)
+    before = (args.enable_eplb, args.eplb_config)
+    with pytest.raises(EplbConfigError, match="eplb-graph cannot serve this EPLB request") as error:
+        args.create_engine_config()
+    assert named in str(error.value)
+    assert (args.enable_eplb, args.eplb_config) == before  # the request is left as the user gave it
+
+
+def test_without_the_plugin_vllm_refuses_eplb_on_cpu(model_dir):
+    """What the plugin lifts is real: the same request fails in upstream vLLM alone."""
+    script = (
+        "import sys\n"
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        f"args = EngineArgs(model={model_dir!r}, skip_tokenizer_init=True, load_format='dummy', dtype='float32',"
+        f" max_model_len=128, enable_expert_parallel=True, enable_eplb=True, eplb_config={EPLB!r})\n"
+        "assert not getattr(EngineArgs.create_engine_config, '__eplb_graph_gate__', False)\n"
+        "try:\n    args.create_engine_config()\nexcept Exception as error:\n    print('REFUSED', error)\n"
+        "else:\n    print('ACCEPTED')\n"
+    )
+    env = {**os.environ, "VLLM_PLUGINS": "lora_filesystem_resolver"}  # every plugin but ours
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert "REFUSED" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "only supported on CUDA" in out.stdout
