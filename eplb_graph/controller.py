@@ -28,13 +28,9 @@ from eplb_graph.layer_lookup import (
     RoutedLayer,
     batch_in_load_phase,
     check_load_phase,
-    validate_placement,
+    validate_layer_placements,
 )
 from eplb_graph.upstream_compat import UpstreamCapabilityAdapter
-
-
-class EplbWorkerError(RuntimeError):
-    """The async EPLB worker died; EPLB would otherwise be silently off from here on."""
 
 
 class EplbPeerLostError(RuntimeError):
@@ -142,11 +138,7 @@ class EplbController:
     # -- upstream hooks ---------------------------------------------------------------
 
     def _check_placements(self, placements: torch.Tensor) -> None:
-        if placements.dim() != 2 or placements.shape[0] != len(self.layers):
-            raise ValueError(f"policy returned placements of shape {tuple(placements.shape)}, expected {len(self.layers)} layers")
-        for layer, placement in zip(self.layers, placements):
-            tables = layer.tables
-            validate_placement(placement, tables.num_logical_experts, tables.num_physical_experts, tables.max_replicas)
+        validate_layer_placements(placements, [layer.tables for layer in self.layers])
 
     def _after_commit(self, model_state, layer_index: int | None) -> None:
         indices = range(len(self.layers)) if layer_index is None else [layer_index]
@@ -180,12 +172,7 @@ class EplbController:
         return bool(self.model_state.rebalanced)
 
     def check_worker(self) -> None:
-        health = self.compat.health
-        if health.error is not None:
-            raise EplbWorkerError(
-                f"async EPLB worker on EP rank {self.ep_rank} died: {health.error!r}; the last committed "
-                f"placement stays in force\n{health.traceback}"
-            ) from health.error
+        self.compat.health.raise_if_dead(f"on EP rank {self.ep_rank}")
 
     def peer_lost(self, error: BaseException, *, wait_for_worker_s: float = 2.0) -> EplbPeerLostError:
         """A clear error for a collective that failed because a peer is gone.

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eplb_graph.controller import EplbController, EplbWorkerError, RankLayer
+from eplb_graph.controller import EplbController, RankLayer
 from eplb_graph.expert_parallel import ExpertParallelMoE, LinearTopKRouter, reference_moe
 from eplb_graph.layer_lookup import BatchFlags, LayerLookup, initial_placement
+from eplb_graph.upstream_compat import EplbWorkerError
 from eplb_graph.weight_views import ExpertWeights, check_weight_view, expert_format
 
 

@@ -85,6 +85,14 @@ def validate_placement(
     return placement
 
 
+def validate_layer_placements(placements: torch.Tensor, tables: list[LayerLookup]) -> None:
+    """Checks a policy's [num_layers, num_physical] output against every layer's tables."""
+    if placements.dim() != 2 or placements.shape[0] != len(tables):
+        raise ValueError(f"policy returned placements of shape {tuple(placements.shape)}, expected {len(tables)} layers")
+    for layer, placement in zip(tables, placements):
+        validate_placement(placement, layer.num_logical_experts, layer.num_physical_experts, layer.max_replicas)
+
+
 def build_lookup(
     placement: torch.Tensor, num_logical_experts: int, max_replicas: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

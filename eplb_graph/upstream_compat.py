@@ -103,6 +103,10 @@ def host_device_stream(stream):
         torch.accelerator.set_stream(prev)
 
 
+class EplbWorkerError(RuntimeError):
+    """The async EPLB worker died; EPLB would otherwise be silently off from here on."""
+
+
 @dataclass
 class WorkerHealth:
     """What the async worker thread left behind: upstream's worker logs and exits silently."""
@@ -114,6 +118,14 @@ class WorkerHealth:
     @property
     def alive(self) -> bool:
         return self.error is None
+
+    def raise_if_dead(self, where: str) -> None:
+        """Surfaces a dead worker on the main thread; ``where`` names the rank or runner."""
+        if self.error is not None:
+            raise EplbWorkerError(
+                f"async EPLB worker {where} died: {self.error!r}; the last committed placement stays in force\n"
+                f"{self.traceback}"
+            ) from self.error
 
 
 @dataclass

@@ -16,12 +16,11 @@ forward, ``eplb_step`` after). This object only connects the boundaries:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from eplb_graph.controller import EplbWorkerError
-from eplb_graph.layer_lookup import validate_placement
+from eplb_graph.layer_lookup import validate_layer_placements
 from eplb_graph.upstream_compat import UpstreamCapabilityAdapter
 
 from . import router_adapter
@@ -37,7 +36,6 @@ class WorkerStats:
     layers_committed: int = 0
     rearrangements_committed: int = 0  # commits of a model's last layer (or of all layers at once)
     placement_changes: int = 0  # layer commits that changed the layer's placement
-    rejected_placements: list[str] = field(default_factory=list)
 
 
 def compiled_roots(model: torch.nn.Module) -> list[str]:
@@ -126,12 +124,7 @@ class VllmEplbWorker:
     # -- upstream hooks ---------------------------------------------------------------
 
     def _check_placements(self, placements: torch.Tensor) -> None:
-        layers = self.layers
-        if placements.dim() != 2 or placements.shape[0] != len(layers):
-            raise ValueError(f"policy returned placements of shape {tuple(placements.shape)}, expected {len(layers)} layers")
-        for layer, placement in zip(layers, placements):
-            t = layer.tables
-            validate_placement(placement, t.num_logical_experts, t.num_physical_experts, t.max_replicas)
+        validate_layer_placements(placements, [layer.tables for layer in self.layers])
 
     def _after_commit(self, model_state, layer_index: int | None) -> None:
         layers = self.layers_by_model.get(id(model_state.model), [])
@@ -167,13 +160,7 @@ class VllmEplbWorker:
             runner.warming_up_model = warming_up_model
 
     def check_worker(self) -> None:
-        health = self.compat.health
-        self.stats.rejected_placements = list(health.rejected_placements)
-        if health.error is not None:
-            raise EplbWorkerError(
-                f"vLLM's async EPLB worker died: {health.error!r}; the last committed placement stays in force\n"
-                f"{health.traceback}"
-            ) from health.error
+        self.compat.health.raise_if_dead(f"of vLLM runner on {self.runner.device}")
 
     def verify_mapping(self, *, require_calls: bool) -> dict[str, str]:
         """Each layer is routed by exactly its mechanism; returns {layer: mechanism}."""
