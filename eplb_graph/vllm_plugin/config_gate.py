@@ -63,8 +63,8 @@ def check_eplb_request(engine_args, *, on_cpu: bool) -> None:
     if engine_args.quantization not in SUPPORTED_QUANTIZATIONS:
         problems.append(quantization_problem(engine_args.quantization))
     if on_cpu:
-        ep_size = engine_args.tensor_parallel_size * engine_args.data_parallel_size * getattr(
-            engine_args, "prefill_context_parallel_size", 1
+        ep_size = (
+            engine_args.tensor_parallel_size * engine_args.data_parallel_size * engine_args.prefill_context_parallel_size
         )
         if ep_size > CPU_EP_LIMIT:
             problems.append(

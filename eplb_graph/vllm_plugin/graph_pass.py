@@ -13,7 +13,7 @@ that are mapped by the graph pass. Each compiled graph is checked by the verifie
 from __future__ import annotations
 
 import hashlib
-import inspect
+from pathlib import Path
 
 from torch import fx
 from vllm.compilation.passes.inductor_pass import InductorPass
@@ -56,7 +56,7 @@ class VllmEplbPass(InductorPass):
     def uuid(self) -> str:
         """Inductor's cache key: our pass sources, this file, the layers it maps, the user's pass."""
         digest = hashlib.sha256(pass_source_hash().encode())
-        digest.update(inspect.getsource(type(self)).encode())
+        digest.update(Path(__file__).read_bytes())
         digest.update(repr(self.bindings()).encode())
         if self.user_pass is not None:
             digest.update(str(self.user_pass.uuid()).encode())
