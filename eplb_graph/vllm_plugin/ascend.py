@@ -3,8 +3,9 @@
 How vllm-ascend runs eplb-graph, as far as this package is concerned:
 
 * vllm-ascend's model runners subclass vLLM's GPU runner and override ``load_model``; the
-  plugin wraps each runner class it finds (``ascend_runner_classes``) exactly like the CPU
-  and GPU runners, so ``VllmEplbWorker`` binds the MoE layers after load.
+  plugin wraps each of the classes named below when vllm-ascend imports its module, exactly
+  like the CPU and GPU runners (``runner_hooks.py``), so ``VllmEplbWorker`` binds the MoE
+  layers after load.
 * MoE forward on Ascend runs inside the opaque ``torch.ops.vllm.moe_forward`` (no top-k in
   any graph), so every layer is mapped by the router adapter; ACL graphs (vllm-ascend's
   ``ACLGraphWrapper``) capture our op with the layer's stable tables, which are refreshed
@@ -12,37 +13,14 @@ How vllm-ascend runs eplb-graph, as far as this package is concerned:
 * torchair graph mode compiles through ``eplb_graph.passes.inductor_pass.torchair_backend``;
   the pass finds no traced router top-k there and leaves the router adapter's op alone.
 
-Nothing here imports ``vllm_ascend`` or ``torch_npu`` unless vllm-ascend is installed:
-installing torch-npu without the CANN toolkit breaks ``import torch`` itself.
+Nothing here imports ``vllm_ascend`` or ``torch_npu``: installing torch-npu without the CANN
+toolkit breaks ``import torch`` itself, and vLLM imports them where they belong.
 """
 
 from __future__ import annotations
-
-import importlib
-import importlib.util
 
 # Module and class names of vllm-ascend's model runners (Model Runner V1 and V2).
 ASCEND_RUNNERS = (
     ("vllm_ascend.worker.model_runner_v1", "NPUModelRunner"),
     ("vllm_ascend.worker.v2.model_runner", "NPUModelRunner"),
 )
-
-
-def vllm_ascend_installed() -> bool:
-    return importlib.util.find_spec("vllm_ascend") is not None
-
-
-def ascend_runner_classes() -> list[type]:
-    """vllm-ascend's runner classes where vllm-ascend is installed and imports; else none."""
-    if not vllm_ascend_installed():
-        return []
-    classes = []
-    for module_name, class_name in ASCEND_RUNNERS:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        runner_class = getattr(module, class_name, None)
-        if isinstance(runner_class, type):
-            classes.append(runner_class)
-    return classes
