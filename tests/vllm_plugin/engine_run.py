@@ -1,8 +1,9 @@
 """One vLLM engine run with the plugin installed; prints one JSON line (run as a script).
 
 Used by test_engine.py: each engine start gets its own process (vLLM keeps global state).
-The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the worker's
-EPLB state can be read directly after generation.
+By default the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the
+worker's EPLB state can be read directly after generation; ``--engine-process`` keeps
+vLLM's default separate engine-core process, and then only the tokens come back.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=4)
     parser.add_argument("--interval", type=int, default=8)
     parser.add_argument("--redundant", type=int, default=4)
+    parser.add_argument("--engine-process", action="store_true", help="vLLM's default: engine core in its own process")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not args.engine_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from torch._dynamo.utils import counters
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -45,14 +48,18 @@ def main() -> int:
                          "num_redundant_experts": args.redundant, "use_async": True},
         )
     llm = LLM(**kwargs)
+    prompts = [TokensPrompt(prompt_token_ids=[5 + i, 17 * i % 500 + 3, 40 + 3 * i, 7]) for i in range(args.prompts)]
+    sampling = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    if args.engine_process:
+        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+        print("ENGINE_RUN_RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outputs]}), flush=True)
+        return 0
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     worker = getattr(runner, "eplb_graph", None)
     dynamo_graphs_after_warm_up = counters["stats"]["unique_graphs"]
     pass_runs_after_warm_up = sum(layer.graph_mappings for layer in worker.layers) if worker else 0
 
-    prompts = [TokensPrompt(prompt_token_ids=[5 + i, 17 * i % 500 + 3, 40 + 3 * i, 7]) for i in range(args.prompts)]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True),
-                           use_tqdm=False)
+    outputs = llm.generate(prompts, sampling, use_tqdm=False)
     result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "enable_eplb": runner.parallel_config.enable_eplb,
