@@ -7,10 +7,12 @@ decode steps (16 tokens per rank by default, the batch size the targets name):
     on_idle         EPLB on, identity placement, no rearrangement (interval > steps);
                     off and on_idle run in the same processes, steps alternating
     on_rearranging  EPLB on with frequent rearrangements: steps while an async
-                    rearrangement runs, next to the same run's steady steps
+                    rearrangement runs (the step that starts one included), next to the
+                    same run's steady steps
 
 Ratios are taken inside this one invocation, side by side, so the machine's noise hits
-every setting alike. On CPU the graph mode is the compiled mode and is not run twice.
+every setting alike. On CPU the graph mode is the compiled mode and is not run twice; on
+CUDA it is the compiled forward captured in CUDA graphs (``eplb_graph.graph_capture``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from eplb_graph.launch import run_ranks
 from eplb_graph.run_report import percentile
-from eplb_graph.runner import RunConfig, build_rank_models, prepare_forward, rank_session, run_rank_and_shut_down
+from eplb_graph.runner import RunConfig, build_rank_models, prepare_step, rank_session, run_rank_and_shut_down, synchronize
 from eplb_graph.workload import make_batch
 
 
@@ -44,22 +46,28 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
 
     on_cfg = dataclasses.replace(cfg, eplb=True, step_interval=cfg.steps * 10, window_size=cfg.steps * 10)
     off_cfg = dataclasses.replace(cfg, eplb=False)
+    device = torch.device(cfg.device)
     with rank_session(rank, world_size, init_method, on_cfg) as (group, _):
-        on_model, _, layers, _ = build_rank_models(on_cfg, rank, world_size, group)
-        off_model, _, _, _ = build_rank_models(off_cfg, rank, world_size, group)
-        controller = EplbController(layers)
+        on_model, _, layers, on_flags = build_rank_models(on_cfg, rank, world_size, group)
+        off_model, _, _, off_flags = build_rank_models(off_cfg, rank, world_size, group)
+        controller = EplbController(layers, device=device)
         # the backend's verifier is strict: a graph that fails it does not compile
-        forwards = {"off": prepare_forward(off_model, off_cfg, [], []),
-                    "on_idle": prepare_forward(on_model, on_cfg, layers, [])}
+        compile_s, captured = {}, {}
+        forwards = {}
+        for name, model, run_cfg, rank_layers, flags in (("off", off_model, off_cfg, [], off_flags),
+                                                          ("on_idle", on_model, on_cfg, layers, on_flags)):
+            start = time.perf_counter()
+            forwards[name], captured[name] = prepare_step(model, run_cfg, rank_layers, flags, [])
+            compile_s[name] = time.perf_counter() - start
         workload = cfg.workload()
-        decode = [make_batch(workload, step, rank) for step in range(1, 8)]  # steps 1..7 are decode
-        compile_s = {}
-        for name, forward in forwards.items():
+        decode = [make_batch(workload, step, rank).to(device) for step in range(1, 8)]  # steps 1..7 are decode
+        for name, forward in forwards.items():  # first call: compiles (graph mode captured already)
             start = time.perf_counter()
             controller.begin_batch(num_unpadded_tokens=decode[0].num_tokens, is_prefill=False)
             forward(decode[0].tokens)
             controller.end_batch()
-            compile_s[name] = time.perf_counter() - start
+            synchronize(device)
+            compile_s[name] += time.perf_counter() - start
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         times: dict[str, list[float]] = {"off": [], "on_idle": []}
         for step in range(cfg.steps):
@@ -71,15 +79,22 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
                 forwards[name](batch.tokens)
                 if name == "on_idle":
                     controller.end_batch()
+                synchronize(device)
                 times[name].append((time.perf_counter() - start) * 1e3)
         recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        recaptures = {name: None if c is None else c.stats.recaptures for name, c in captured.items()}
         controller.close()
     shutdown_expert_parallel()
-    return {"times": times, "compile_s": compile_s, "recompiles": recompiles}
+    return {"times": times, "compile_s": compile_s, "recompiles": recompiles, "recaptures": recaptures}
+
+
+def _worst(counts: list[int | None]) -> int | None:
+    """The largest count over ranks; None where a mode captures nothing."""
+    return None if any(c is None for c in counts) else max(counts)
 
 
 def _entry(mode: str, eplb: str, steps: list[float], cfg: RunConfig, *, compile_s: float, recompiles: int,
-           rearrangements: int = 0) -> dict:
+           recaptures: int | None, rearrangements: int = 0) -> dict:
     tokens = cfg.decode_tokens * cfg.ranks
     return {
         "mode": mode,
@@ -90,7 +105,7 @@ def _entry(mode: str, eplb: str, steps: list[float], cfg: RunConfig, *, compile_
         "decode_steps": len(steps),
         "compile_or_capture_s": round(compile_s, 2),
         "recompiles": recompiles,
-        "recaptures": None,  # no graph is captured on the host; CUDA graph mode is not built yet
+        "recaptures": recaptures,  # None: nothing is captured in this mode (every mode on CPU)
         "rearrangements": rearrangements,
     }
 
@@ -109,11 +124,12 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int) -> dict:
         recompiles = max(r["recompiles"] for r in paired)
         entries = [
             _entry(mode, "off", off_steps, base, compile_s=max(r["compile_s"]["off"] for r in paired),
-                   recompiles=recompiles),
+                   recompiles=recompiles, recaptures=_worst([r["recaptures"]["off"] for r in paired])),
             _entry(mode, "on_idle", idle_steps, base, compile_s=max(r["compile_s"]["on_idle"] for r in paired),
-                   recompiles=recompiles),
+                   recompiles=recompiles, recaptures=_worst([r["recaptures"]["on_idle"] for r in paired])),
             _entry(mode, "on_rearranging", rearranging or steady, busy_cfg,
                    compile_s=max(r["compile_or_capture_s"] for r in busy), recompiles=max(r["recompiles"] for r in busy),
+                   recaptures=_worst([r["recaptures"] for r in busy]),
                    rearrangements=min(r["rearrangements_finished"] for r in busy)),
         ]
         results.extend(entries)
@@ -124,16 +140,18 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int) -> dict:
             "steady_p50_ms": round(statistics.median(steady), 3),
         }
     by_key = {(r["mode"], r["eplb"]): r for r in results}
-    if ("eager", "on_idle") in by_key and ("compiled", "on_idle") in by_key:
+    graph_mode = "graph" if base.device != "cpu" else "compiled"  # on CPU the compiled mode is the graph mode
+    if ("eager", "on_idle") in by_key and (graph_mode, "on_idle") in by_key:
         ratios["graph_speedup_over_eager_decode"] = round(
-            by_key[("eager", "on_idle")]["p50_ms"] / by_key[("compiled", "on_idle")]["p50_ms"], 3
+            by_key[("eager", "on_idle")]["p50_ms"] / by_key[(graph_mode, "on_idle")]["p50_ms"], 3
         )
     return {
         "device": base.device,
         "ranks": base.ranks,
         "steps_per_run": steps,
         "decode_tokens_per_rank": base.decode_tokens,
-        "note": "on CPU the graph mode is the compiled mode (no capture exists on the host)",
+        "note": "on CPU the graph mode is the compiled mode (no capture exists on the host)" if base.device == "cpu"
+        else "graph: the compiled forward captured as one device graph per capture size",
         "results": results,
         "ratios": ratios,
         "targets": {"on_idle_over_off": 1.05, "rearranging_p99_over_steady_p50": 1.15},

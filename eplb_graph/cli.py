@@ -57,7 +57,9 @@ def _run_config(args: argparse.Namespace, **overrides):
     fields = dict(
         mode=args.mode, device=args.device, ranks=args.ranks, steps=args.steps, weight_format=args.format,
         num_experts=args.experts, num_redundant=args.redundant, top_k=args.top_k, num_layers=args.layers,
-        seed=args.seed, step_interval=args.interval, window_size=args.interval,
+        seed=args.seed, step_interval=args.interval, window_size=args.interval, hidden=args.hidden,
+        expert_intermediate=args.intermediate, shared_expert_intermediate=args.intermediate,
+        decode_tokens=args.decode_tokens,
     )
     fields.update(overrides)
     config = RunConfig(**fields)
@@ -146,6 +148,9 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode:
     parser.add_argument("--redundant", type=int, default=4, help="redundant experts per layer")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64, help="model width")
+    parser.add_argument("--intermediate", type=int, default=64, help="routed and shared expert width")
+    parser.add_argument("--decode-tokens", type=int, default=16, help="tokens per rank in a decode batch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--interval", type=int, default=20, help="EPLB step interval (= load window), in steps")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a silent rank is declared dead")

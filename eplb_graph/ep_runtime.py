@@ -108,20 +108,23 @@ def build_ep_layer(
     group,
     flags: BatchFlags,
     shared_expert=None,
+    device: torch.device | str = "cpu",
 ) -> tuple[ExpertParallelMoE, RankLayer | None]:
     """One EP MoE layer on this rank at the initial placement: its local slice of the physical
-    experts and, with a key, the RankLayer (global routing tables) its routing op resolves."""
+    experts and, with a key, the RankLayer (global routing tables) its routing op resolves.
+    Experts and tables are created on ``device`` (the flags must live there too), so the
+    weight views the mover writes are the tensors the layer computes with."""
     num_logical = logical_experts.num_experts
     num_local = num_physical // ep_size
     placement = initial_placement(num_logical, num_physical - num_logical)
     local_slots = placement[rank * num_local : (rank + 1) * num_local]
-    local_experts = type(logical_experts)(*[t[local_slots].clone() for t in logical_experts.weight_view()])
+    local_experts = type(logical_experts)(*[t[local_slots].to(device) for t in logical_experts.weight_view()])
     check_weight_view(local_experts, num_local)
     rank_layer = None
     if key is not None:
-        tables = LayerLookup(num_logical, num_physical, placement=placement)
+        tables = LayerLookup(num_logical, num_physical, placement=placement, device=device)
         rank_layer = RankLayer(key, tables, flags, local_experts.weight_view())
-    router = LinearTopKRouter(router_weight, top_k)
+    router = LinearTopKRouter(router_weight.to(device), top_k)
     return ExpertParallelMoE(router, local_experts, key, rank, ep_size, group, shared_expert), rank_layer
 
 

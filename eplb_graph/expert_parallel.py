@@ -1,4 +1,4 @@
-"""Expert parallelism over real processes: set-up of vLLM's groups on gloo, and the EP MoE layer.
+"""Expert parallelism over real processes: set-up of vLLM's groups, and the EP MoE layer.
 
 Each EP rank holds ``num_physical / ep_size`` consecutive physical experts. Token dispatch
 is all-gather / all-reduce: every rank gathers all ranks' tokens, physical ids and routing
@@ -28,8 +28,12 @@ def init_expert_parallel(
     window_size: int = 8,
     step_interval: int = 16,
     timeout_s: float = 60.0,
+    backend: str = "gloo",
 ):
-    """vLLM parallel state for EP = world_size over gloo (tensor parallel x expert parallel).
+    """vLLM parallel state for EP = world_size (tensor parallel x expert parallel).
+
+    ``backend`` carries the activations: gloo on CPU, nccl on CUDA (one rank per GPU);
+    vLLM adds a gloo CPU group beside it either way, which EPLB's mover uses.
 
     ``ParallelConfig`` refuses ``enable_eplb`` on the CPU platform and ``VllmConfig``
     re-validates it, so EPLB is switched on after construction, before the groups exist;
@@ -51,9 +55,9 @@ def init_expert_parallel(
     )
     with set_current_vllm_config(config):
         parallel_state.init_distributed_environment(
-            world_size, rank, init_method, rank, backend="gloo", timeout=timedelta(seconds=timeout_s)
+            world_size, rank, init_method, rank, backend=backend, timeout=timedelta(seconds=timeout_s)
         )
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size, backend="gloo")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size, backend=backend)
     return config
 
 

@@ -82,9 +82,13 @@ class RunConfig:
         if self.device not in DEVICES:
             raise ValueError(f"unknown device {self.device!r}; expected one of {', '.join(DEVICES)}")
         if self.device == "cuda":
-            # The runtime places models and activations on the host; device placement, NCCL for
-            # activations and CUDA graph capture are not built yet (see the README).
-            raise ValueError("device 'cuda' is not supported by the runtime yet (no GPU here to prove it); use cpu")
+            if not torch.cuda.is_available():
+                raise ValueError("device 'cuda': torch.cuda.is_available() is False on this machine or torch build")
+            if self.ranks > torch.cuda.device_count():
+                raise ValueError(
+                    f"device 'cuda': {self.ranks} ranks need {self.ranks} GPUs (NCCL runs one rank per GPU), "
+                    f"{torch.cuda.device_count()} visible"
+                )
         if self.device == "npu":
             raise ValueError("device 'npu': the NPU runtime needs torch_npu and an ACL graph runner, not available here")
         if self.ranks < 1:
@@ -97,6 +101,9 @@ class RunConfig:
         self.workload().validate()
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        for name in ("hidden", "expert_intermediate", "num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass
@@ -130,6 +137,7 @@ def build_rank_models(cfg: RunConfig, rank: int, ep_size: int, group):
     from eplb_graph.weight_views import expert_format
 
     fmt = expert_format(cfg.weight_format)
+    device = torch.device(cfg.device)
     logical = build_reference_model(
         ReferenceMoEConfig(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
@@ -139,7 +147,7 @@ def build_rank_models(cfg: RunConfig, rank: int, ep_size: int, group):
         seed=cfg.seed,
     )
     reference, model = copy.deepcopy(logical), copy.deepcopy(logical)
-    flags = BatchFlags()
+    flags = BatchFlags(device)
     rank_layers = []
     for index, block in enumerate(logical.layers):
         moe = block.mlp
@@ -151,18 +159,20 @@ def build_rank_models(cfg: RunConfig, rank: int, ep_size: int, group):
         key = f"run{rank}.{index}" if cfg.eplb else None
         model.layers[index].mlp, rank_layer = build_ep_layer(
             key, router, logical_experts, cfg.top_k, cfg.num_physical, rank, ep_size, group, flags,
-            shared_expert=copy.deepcopy(moe.shared_expert),
+            shared_expert=copy.deepcopy(moe.shared_expert), device=device,
         )
         if rank_layer is not None:
             rank_layers.append(rank_layer)
-    return model.eval(), reference.eval(), rank_layers, flags
+    # The expert weights are on the device already, so .to() keeps the very tensors the
+    # RankLayers' weight views (what upstream's mover writes) name.
+    return model.to(device).eval(), reference.to(device).eval(), rank_layers, flags
 
 
 def _global_loads(rank_layers, ep_size: int, group) -> tuple[torch.Tensor, torch.Tensor]:
     """This step's load over all ranks' batches: per rank [L, ranks] and per logical expert [L, E]."""
     import torch.distributed as dist
 
-    load = torch.stack([layer.tables.load.to(torch.int64) for layer in rank_layers])  # [L, P]
+    load = torch.stack([layer.tables.load.to("cpu", torch.int64) for layer in rank_layers])  # [L, P]
     if ep_size > 1:
         dist.all_reduce(load, group=group)
     num_logical = rank_layers[0].tables.num_logical_experts
@@ -190,6 +200,37 @@ def prepare_forward(model, cfg: RunConfig, rank_layers, records: list):
     return torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
 
 
+def graph_tensors(model, rank_layers) -> list[torch.Tensor]:
+    """Every tensor a captured graph of ``model`` reads by address: weights (expert weight
+    views included), buffers, and each layer's routing tables, load buffer and batch flags."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for layer in rank_layers:
+        tensors.extend(layer.routing_tensors())
+    return tensors
+
+
+def prepare_step(model, cfg: RunConfig, rank_layers, flags, records: list):
+    """(the step's callable, its CapturedForward or None). Graph mode on a device captures the
+    compiled forward once per capture size; on CPU graph mode is compiled mode."""
+    forward = prepare_forward(model, cfg, rank_layers, records)
+    if cfg.mode != "graph" or cfg.device == "cpu":
+        return forward, None
+    from eplb_graph.graph_capture import CapturedForward
+
+    captured = CapturedForward(
+        forward, tuple(cfg.capture_sizes), device=cfg.device, flags=flags,
+        graph_tensors=lambda: graph_tensors(model, rank_layers),
+    )
+    captured.capture_all()
+    return captured, captured
+
+
+def synchronize(device: torch.device) -> None:
+    """Before reading a step's time: device work is asynchronous."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @contextlib.contextmanager
 def rank_session(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> Iterator[tuple]:
     """This process as one EP rank: vLLM's groups with the run's EPLB window and interval, the
@@ -200,9 +241,12 @@ def rank_session(rank: int, world_size: int, init_method: str, cfg: RunConfig) -
     from eplb_graph.expert_parallel import init_expert_parallel
 
     torch.set_num_threads(max(1, torch.get_num_threads() // world_size))  # the ranks share the cores
+    if cfg.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     config = init_expert_parallel(
         rank, world_size, init_method, num_redundant_experts=cfg.num_physical - cfg.num_experts,
         window_size=cfg.window_size, step_interval=cfg.step_interval, timeout_s=60,
+        backend="nccl" if cfg.device == "cuda" else "gloo",
     )
     with set_current_vllm_config(config), torch.no_grad():
         ep_group = get_ep_group()
@@ -215,11 +259,14 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
     result = RankResult(rank)
     with rank_session(rank, world_size, init_method, cfg) as (group, cpu_group):
         model, reference, rank_layers, flags = build_rank_models(cfg, rank, world_size, group)
+        device = torch.device(cfg.device)
         controller = None
         if cfg.eplb:
-            controller = EplbController(rank_layers)
+            controller = EplbController(rank_layers, device=device)  # binds the load buffers: before capture
         records = []
-        forward = prepare_forward(model, cfg, rank_layers, records)
+        forward, captured = prepare_step(model, cfg, rank_layers, flags, records)
+        if captured is not None:
+            result.compile_or_capture_s += captured.stats.capture_s
 
         workload = cfg.workload()
         progress = None
@@ -232,15 +279,17 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
         graphs_after_warmup = None
         last_finished = 0
         for step in range(cfg.steps):
-            batch = make_batch(workload, step, rank)
-            size = batch.tokens.shape[1]
+            batch = make_batch(workload, step, rank).to(device)
+            tokens = batch.tokens
+            size = tokens.shape[1]
             busy = controller is not None and controller.rebalancing
             # A step's time: EPLB's host work before and after the forward counts, the
             # balancedness bookkeeping of this runner does not.
             start = time.perf_counter()
             if controller is not None:
                 controller.begin_batch(num_unpadded_tokens=batch.num_tokens, is_prefill=batch.is_prefill)
-            out = forward(batch.tokens)
+            out = forward(tokens)
+            synchronize(device)
             elapsed = time.perf_counter() - start
             if cfg.eplb and cfg.collect_load_stats:  # read before end_batch: upstream folds the pass load into its window there
                 per_rank, logical_load = _global_loads(rank_layers, world_size, cpu_group)
@@ -249,7 +298,9 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
             if controller is not None:
                 end_start = time.perf_counter()
                 controller.end_batch()
+                synchronize(device)
                 elapsed += time.perf_counter() - end_start
+                busy = busy or controller.rebalancing  # the step that starts a rearrangement pays for it
                 if controller.stats.rearrangements_finished > last_finished:
                     last_finished = controller.stats.rearrangements_finished
                     result.rearrangement_finished_steps.append(step)
@@ -274,7 +325,7 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
                         f"{stats.rearrangements_finished}  layers committed {stats.layers_committed}"
                     )
             if cfg.check_outputs:
-                expected = reference(batch.tokens)
+                expected = reference(tokens)
                 real = slice(0, batch.num_tokens)
                 diff = float((out[:, real] - expected[:, real]).abs().max())
                 result.max_abs_diff = max(result.max_abs_diff, diff)
@@ -283,6 +334,8 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
 
         if graphs_after_warmup is not None:
             result.recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_after_warmup
+        if captured is not None:
+            result.recaptures = captured.stats.recaptures
         if progress is not None:
             progress.close()
         result.verifier_ok = all(r.report is None or r.report.ok for r in records)

@@ -7,7 +7,7 @@ steps, so EPLB has to keep rebalancing. Seeded: rank r at step s always gets the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,6 +18,9 @@ class Batch:
     num_tokens: int  # real (unpadded) tokens
     is_prefill: bool  # any prefill work in the batch
     kind: str  # "prefill" | "decode" | "mixed"
+
+    def to(self, device: torch.device | str) -> Batch:
+        return replace(self, tokens=self.tokens.to(device))
 
 
 @dataclass(frozen=True)

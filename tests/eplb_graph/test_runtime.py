@@ -4,12 +4,14 @@ import json
 import time
 
 import pytest
+import torch
 
 from eplb_graph.cli import main
 from eplb_graph.launch import RankFailure, run_ranks
 from eplb_graph.runner import RunConfig
 from eplb_graph.workload import WorkloadSpec, capture_size_for, make_batch
 from tests.eplb_graph import multirank_cases
+from tests.markers import requires_cuda
 
 
 def _run(capsys, tmp_path, *args):
@@ -60,6 +62,27 @@ def test_bad_input_fails_before_any_process_starts(args, message, capsys, tmp_pa
     assert main(["run", "--out", str(tmp_path), *args]) == 2
     assert message in capsys.readouterr().err
     assert time.monotonic() - start < 5  # no process was launched
+
+
+def test_cuda_needs_a_gpu_per_rank(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device 'cuda': torch.cuda.is_available\(\) is False"):
+        RunConfig(device="cuda").validate()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="2 ranks need 2 GPUs \\(NCCL runs one rank per GPU\\), 1 visible"):
+        RunConfig(device="cuda", ranks=2).validate()
+    RunConfig(device="cuda", ranks=1).validate()
+
+
+@requires_cuda
+def test_graph_mode_on_cuda_replays_with_live_eplb(capsys, tmp_path):
+    """CUDA graphs captured once per size; upstream's async EPLB rearranges between replays."""
+    code, report = _run(capsys, tmp_path, "--device", "cuda", "--mode", "graph", "--ranks", "1",
+                        "--steps", "80", "--interval", "10")
+    assert code == 0, report["failed_invariants"]
+    assert report["output_mismatches"] == 0 and report["rearrangements"] >= 5
+    assert report["recaptures"] == 0 and report["recompiles"] == 0
 
 
 def test_a_batch_larger_than_every_capture_size_is_rejected():

@@ -1,0 +1,148 @@
+"""The whole GPU comparison in one call: CUDA tests, the routing op, capture vs eager, the main job.
+
+    python benchmarks/gpu_bench.py --out out/gpu        # about 6 minutes on one H200; table last
+
+Stages, each a subprocess with its own timeout inside one overall budget (a stage that no
+longer fits is reported as skipped, never silently dropped):
+
+1. cuda_tests   every CUDA test: the Triton routing kernel against the CPU kernel (opcheck),
+                the lookup refreshed in place under CUDA graph replay, CapturedForward with
+                real CUDA graphs, and `eplb-graph run --device cuda --mode graph`
+2. routing_op   the registered op against the inline composite on CUDA (T=16 and 4096)
+3. bench        `eplb-graph bench --device cuda`: eager / compiled / graph (CUDA graphs) x
+                EPLB off / on_idle / on_rearranging, default model, decode batch 16 per rank
+4. bench_large  the same at a larger shape (288 physical experts, top-8, width 1024)
+5. run          `eplb-graph run --device cuda --mode graph` for 1100 steps: >= 100
+                rearrangements with 0 recaptures, 0 recompiles and outputs checked every step
+
+Ranks: one per visible GPU, at most 2 (NCCL runs one rank per GPU; on a one-GPU machine
+the EP group has one rank, which still rebalances replicas and moves weights).
+Needs torch with CUDA and vLLM (EPLB's control plane is upstream's) importable.
+Writes ``gpu_bench.json`` beside each stage's own JSON under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CUDA_TEST_FILES = [
+    "tests/custom_ops/test_routing_ops.py",
+    "tests/eplb_graph/test_layer_lookup.py",
+    "tests/eplb_graph/test_graph_capture.py",
+    "tests/eplb_graph/test_runtime.py",
+]
+LARGE_SHAPE = ["--experts", "256", "--redundant", "32", "--top-k", "8", "--hidden", "1024", "--intermediate", "512"]
+
+
+def preflight() -> str | None:
+    """Why this machine cannot run the comparison, or None."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not importable"
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False"
+    try:
+        import vllm.distributed.eplb.eplb_state  # noqa: F401
+    except Exception as error:  # an ImportError, or a vLLM built for another torch
+        return f"vLLM's EPLB control plane is not importable ({type(error).__name__}: {error})"
+    return None
+
+
+class Stages:
+    def __init__(self, out: Path, budget_s: float) -> None:
+        self.out = out
+        self.deadline = time.monotonic() + budget_s
+        self.report: dict[str, dict] = {}
+
+    def run(self, name: str, command: list[str], timeout_s: float, json_file: Path | None = None) -> dict:
+        left = self.deadline - time.monotonic()
+        if left < 30:
+            entry = {"status": "skipped", "why": f"{left:.0f} s of the budget left"}
+        else:
+            start = time.monotonic()
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=min(timeout_s, left))
+                entry = {"status": "ok" if done.returncode == 0 else f"exit {done.returncode}",
+                         "tail": (done.stdout + done.stderr)[-3000:]}
+            except subprocess.TimeoutExpired:
+                entry = {"status": f"timeout after {min(timeout_s, left):.0f} s"}
+            entry["seconds"] = round(time.monotonic() - start, 1)
+            if json_file is not None and json_file.exists():
+                entry["json"] = json.loads(json_file.read_text())
+        entry["command"] = " ".join(command)
+        self.report[name] = entry
+        print(f"[{name}] {entry['status']} ({entry.get('seconds', 0)} s)", flush=True)
+        return entry
+
+
+def summary_rows(report: dict) -> list[str]:
+    rows = [f"{'stage':<12} {'status':<22} figures"]
+    for name, entry in report.items():
+        data = entry.get("json", {})
+        figures = ""
+        if name == "cuda_tests":
+            figures = ((entry.get("tail") or "").strip().splitlines() or [""])[-1]
+        elif name in ("bench", "bench_large") and data:
+            figures = "; ".join(f"{mode}: {ratio}" for mode, ratio in data.get("ratios", {}).items())
+        elif name == "run" and data:
+            figures = (f"rearrangements {data['rearrangements']}, recaptures {data['recaptures']}, recompiles "
+                       f"{data['recompiles']}, mismatches {data['output_mismatches']}, balancedness "
+                       f"{data['balancedness_without_eplb']} -> {data['balancedness_after']}, p50 {data['step_p50_ms']} ms")
+        elif name == "routing_op" and data:
+            figures = ", ".join(f"T={r['num_tokens']}: {r['registered_us']:.1f} vs {r['inline_us']:.1f} us"
+                                for r in data.get("results", []))
+        rows.append(f"{name:<12} {entry['status']:<22} {figures}")
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("out/gpu"))
+    parser.add_argument("--budget-s", type=float, default=450, help="all stages together (the call must stay under 8 min)")
+    args = parser.parse_args()
+    problem = preflight()
+    if problem is not None:
+        print(f"gpu_bench: cannot run here: {problem}", file=sys.stderr)
+        return 2
+    import torch
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    ranks = str(min(2, torch.cuda.device_count()))
+    cli = [sys.executable, "-m", "eplb_graph.cli"]
+    stages = Stages(args.out, args.budget_s)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+    stages.run("cuda_tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-k", "cuda", *CUDA_TEST_FILES], 150)
+    stages.run("routing_op", [sys.executable, "benchmarks/bench_routing_ops.py", "--device", "cuda",
+                              "--out", str(args.out / "routing_op.json")], 60, args.out / "routing_op.json")
+    bench_out = args.out / "bench"
+    stages.run("bench", [*cli, "bench", "--device", "cuda", "--ranks", ranks, "--steps", "200",
+                         "--out", str(bench_out)], 180, bench_out / "bench.json")
+    large_out = args.out / "bench_large"
+    stages.run("bench_large", [*cli, "bench", "--device", "cuda", "--ranks", ranks, "--steps", "100", *LARGE_SHAPE,
+                               "--out", str(large_out)], 150, large_out / "bench.json")
+    run_out = args.out / "run"
+    stages.run("run", [*cli, "run", "--device", "cuda", "--mode", "graph", "--ranks", ranks, "--steps", "1100",
+                       "--interval", "10", "--out", str(run_out)], 150, run_out / "report.json")
+
+    report = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
+              "ranks": int(ranks), "stages": stages.report}
+    (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=2))
+    bench = stages.report["bench"].get("json")
+    if bench is not None:
+        from eplb_graph.bench import format_table
+
+        print(format_table(bench))
+    print("\n".join(summary_rows(stages.report)))  # the table, last
+    return 0 if all(entry["status"] == "ok" for entry in stages.report.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
