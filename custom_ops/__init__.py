@@ -67,17 +67,19 @@ def _register(lib: torch.library.Library) -> None:
         "record_load": routing.record_load_kernel,
         "map_and_record": routing.map_and_record_kernel,
     }
-    cpu = dict(composite)
+    cpu, cpu_map_and_record = dict(composite), routing.map_and_record_composite
     if _numba_available():
+        cpu_map_and_record = _on_first_call("cpu_routing", "map_and_record_cpu")
         cpu["map_to_physical"] = routing.checked_map_to_physical(_on_first_call("cpu_routing", "map_to_physical_cpu"))
         cpu["record_load"] = routing.checked_record_load(_on_first_call("cpu_routing", "record_load_cpu"))
-        cpu["map_and_record"] = routing.checked_map_and_record(_on_first_call("cpu_routing", "map_and_record_cpu"))
-    cuda = dict(composite)
+        cpu["map_and_record"] = routing.checked_map_and_record(cpu_map_and_record)
+    cuda, cuda_map_and_record = dict(composite), routing.map_and_record_composite
     if _triton_available():
         from . import triton_routing
 
+        cuda_map_and_record = triton_routing.map_and_record_cuda
         cuda["map_to_physical"] = routing.checked_map_to_physical(triton_routing.map_to_physical_cuda)
-        cuda["map_and_record"] = routing.checked_map_and_record(triton_routing.map_and_record_cuda)
+        cuda["map_and_record"] = routing.checked_map_and_record(cuda_map_and_record)
 
     for name in ("map_to_physical", "record_load", "map_and_record"):
         lib.impl(name, cpu[name], "CPU")
@@ -87,7 +89,7 @@ def _register(lib: torch.library.Library) -> None:
     torch.library.register_fake(f"{NAMESPACE}::map_to_physical", routing.map_to_physical_fake, lib=lib)
     torch.library.register_fake(f"{NAMESPACE}::record_load", routing.record_load_fake, lib=lib)
     torch.library.register_fake(f"{NAMESPACE}::map_and_record", routing.map_and_record_fake, lib=lib)
-    layer_routing.register(lib, cpu["map_and_record"], cuda["map_and_record"])
+    layer_routing.register(lib, cpu_map_and_record, cuda_map_and_record)
 
 
 def _already_registered() -> bool:

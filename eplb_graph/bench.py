@@ -26,7 +26,15 @@ import torch
 
 from eplb_graph.launch import run_ranks
 from eplb_graph.run_report import percentile
-from eplb_graph.runner import RunConfig, build_rank_models, prepare_step, rank_session, run_rank_and_shut_down, synchronize
+from eplb_graph.runner import (
+    RunConfig,
+    build_rank_models,
+    prepare_step,
+    rank_device,
+    rank_session,
+    run_rank_and_shut_down,
+    synchronize,
+)
 from eplb_graph.workload import make_batch
 
 
@@ -46,8 +54,8 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
 
     on_cfg = dataclasses.replace(cfg, eplb=True, step_interval=cfg.steps * 10, window_size=cfg.steps * 10)
     off_cfg = dataclasses.replace(cfg, eplb=False)
-    device = torch.device(cfg.device)
     with rank_session(rank, world_size, init_method, on_cfg) as (group, _):
+        device = rank_device(cfg)
         on_model, _, layers, on_flags = build_rank_models(on_cfg, rank, world_size, group)
         off_model, _, _, off_flags = build_rank_models(off_cfg, rank, world_size, group)
         controller = EplbController(layers, device=device)

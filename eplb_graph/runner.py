@@ -128,6 +128,14 @@ class RankResult:
     tokens: int = 0
 
 
+def rank_device(cfg: RunConfig) -> torch.device:
+    """This rank's device with its index: threads started later (upstream's async worker)
+    default to device 0 unless told which device their rank owns."""
+    if cfg.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())  # set by rank_session
+    return torch.device(cfg.device)
+
+
 def build_rank_models(cfg: RunConfig, rank: int, ep_size: int, group):
     """(EPLB model on this rank, no-EPLB reference, RankLayers, flags). Same seed on every rank."""
     from eplb_graph.ep_runtime import build_ep_layer
@@ -137,7 +145,7 @@ def build_rank_models(cfg: RunConfig, rank: int, ep_size: int, group):
     from eplb_graph.weight_views import expert_format
 
     fmt = expert_format(cfg.weight_format)
-    device = torch.device(cfg.device)
+    device = rank_device(cfg)
     logical = build_reference_model(
         ReferenceMoEConfig(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
@@ -259,7 +267,7 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
     result = RankResult(rank)
     with rank_session(rank, world_size, init_method, cfg) as (group, cpu_group):
         model, reference, rank_layers, flags = build_rank_models(cfg, rank, world_size, group)
-        device = torch.device(cfg.device)
+        device = rank_device(cfg)
         controller = None
         if cfg.eplb:
             controller = EplbController(rank_layers, device=device)  # binds the load buffers: before capture

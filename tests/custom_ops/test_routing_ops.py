@@ -140,6 +140,23 @@ def test_bad_arguments_raise_clear_errors(ids, lookup, count, match):
         ops.map_to_physical(ids, lookup, count)
 
 
+@pytest.mark.parametrize(
+    "ids,match",
+    [(torch.zeros(4, dtype=torch.int64), r"topk_ids must be \[T, K\], got \(4,\)"),
+     (torch.zeros(2, 2), "topk_ids must be int32 or int64, got torch.float32")],
+)
+def test_the_layer_op_checks_its_ids(ids, match):
+    from eplb_graph.layer_lookup import LayerLookup, RoutedLayer
+
+    layer = RoutedLayer("checks.0", LayerLookup(4, 6), BatchFlags())
+    try:
+        with pytest.raises(RuntimeError, match=match):
+            ops.map_and_record_layer(ids, "checks.0")
+        assert ops.map_and_record_layer(torch.zeros(2, 2, dtype=torch.int32), "checks.0").tolist() == [[0, 0], [4, 4]]
+    finally:
+        layer.close()
+
+
 def test_record_flags_must_be_single_element():
     lookup, replica_count = build_lookup(torch.arange(2), 2, 1)
     with pytest.raises(RuntimeError, match="record_enabled must be"):
