@@ -24,6 +24,7 @@ def init_expert_parallel(
     world_size: int,
     init_method: str,
     *,
+    local_rank: int | None = None,
     num_redundant_experts: int,
     window_size: int = 8,
     step_interval: int = 16,
@@ -55,7 +56,8 @@ def init_expert_parallel(
     )
     with set_current_vllm_config(config):
         parallel_state.init_distributed_environment(
-            world_size, rank, init_method, rank, backend=backend, timeout=timedelta(seconds=timeout_s)
+            world_size, rank, init_method, rank if local_rank is None else local_rank, backend=backend,
+            timeout=timedelta(seconds=timeout_s),
         )
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size, backend=backend)
     return config

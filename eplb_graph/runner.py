@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -84,10 +85,11 @@ class RunConfig:
         if self.device == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError("device 'cuda': torch.cuda.is_available() is False on this machine or torch build")
-            if self.ranks > torch.cuda.device_count():
+            on_this_machine = int(os.environ.get("LOCAL_WORLD_SIZE", self.ranks))  # torchrun: this node's ranks
+            if on_this_machine > torch.cuda.device_count():
                 raise ValueError(
-                    f"device 'cuda': {self.ranks} ranks need {self.ranks} GPUs (NCCL runs one rank per GPU), "
-                    f"{torch.cuda.device_count()} visible"
+                    f"device 'cuda': {on_this_machine} ranks need {on_this_machine} GPUs (NCCL runs one rank per "
+                    f"GPU), {torch.cuda.device_count()} visible"
                 )
         if self.device == "npu":
             raise ValueError("device 'npu': the NPU runtime needs torch_npu and an ACL graph runner, not available here")
@@ -248,11 +250,14 @@ def rank_session(rank: int, world_size: int, init_method: str, cfg: RunConfig) -
 
     from eplb_graph.expert_parallel import init_expert_parallel
 
-    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))  # the ranks share the cores
+    # torchrun sets LOCAL_RANK / LOCAL_WORLD_SIZE; our own launcher runs every rank on this machine
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    torch.set_num_threads(max(1, torch.get_num_threads() // local_world))  # this machine's ranks share its cores
     if cfg.device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(local_rank)
     config = init_expert_parallel(
-        rank, world_size, init_method, num_redundant_experts=cfg.num_physical - cfg.num_experts,
+        rank, world_size, init_method, local_rank=local_rank, num_redundant_experts=cfg.num_physical - cfg.num_experts,
         window_size=cfg.window_size, step_interval=cfg.step_interval, timeout_s=60,
         backend="nccl" if cfg.device == "cuda" else "gloo",
     )

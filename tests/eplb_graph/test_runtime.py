@@ -73,6 +73,8 @@ def test_cuda_needs_a_gpu_per_rank(monkeypatch):
     with pytest.raises(ValueError, match="2 ranks need 2 GPUs \\(NCCL runs one rank per GPU\\), 1 visible"):
         RunConfig(device="cuda", ranks=2).validate()
     RunConfig(device="cuda", ranks=1).validate()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # torchrun over two machines, one rank on each
+    RunConfig(device="cuda", ranks=2).validate()
 
 
 @requires_cuda
@@ -83,6 +85,23 @@ def test_graph_mode_on_cuda_replays_with_live_eplb(capsys, tmp_path):
     assert code == 0, report["failed_invariants"]
     assert report["output_mismatches"] == 0 and report["rearrangements"] >= 5
     assert report["recaptures"] == 0 and report["recompiles"] == 0
+
+
+def test_under_torchrun_each_process_is_one_rank(tmp_path):
+    """The same entry point spans machines under torchrun (here: two processes on one)."""
+    import subprocess
+    import sys
+
+    from eplb_graph.launch import free_port
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+               "-m", "eplb_graph.cli", "run", "--ranks", "2", "--steps", "30", "--interval", "10", "--json",
+               "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["ranks"] == 2 and report["rearrangements"] >= 2 and report["output_mismatches"] == 0
+    assert report["failed_invariants"] == []
 
 
 def test_a_batch_larger_than_every_capture_size_is_rejected():
