@@ -16,8 +16,9 @@ from tests.markers import requires_cuda
 
 def _run(capsys, tmp_path, *args):
     code = main(["run", "--json", "--out", str(tmp_path), *args])
-    report = json.loads(capsys.readouterr().out)
-    return code, report
+    captured = capsys.readouterr()
+    assert captured.out, f"no report (exit code {code}); stderr:\n{captured.err[-3000:]}"  # a failed launch says why
+    return code, json.loads(captured.out)
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
