@@ -163,7 +163,10 @@ class CapturedForward:
                 f"pad batches to a capture size"
             )
         if storage_fingerprint(self.graph_tensors()) != entry.fingerprint:
-            entry = self._capture(size)  # a tensor the graph reads was replaced, not updated in place
+            # A tensor the graph reads was replaced, not updated in place. EPLB commits in
+            # lockstep on every rank (upstream's readiness all-reduce), so every rank sees the
+            # change at the same step and recaptures together; the run then fails on the count.
+            entry = self._capture(size)
         entry.static_input.copy_(tokens)
         entry.graph.replay()
         self.stats.replays += 1
