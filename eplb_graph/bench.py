@@ -38,10 +38,11 @@ from eplb_graph.runner import (
 from eplb_graph.workload import make_batch
 
 
-def _decode_steps(result: dict, rebalancing: bool | None) -> list[float]:
-    """Decode step times; rebalancing=None: all, True/False: only steps in / out of a rearrangement."""
+def _decode_steps(result: dict, rebalancing: bool | None, times: str = "step_ms") -> list[float]:
+    """Decode step times (or their EPLB host part, times="eplb_host_ms"); rebalancing=None: all,
+    True/False: only steps in / out of a rearrangement."""
     return [
-        ms for ms, kind, busy in zip(result["step_ms"], result["kinds"], result["rebalancing"])
+        ms for ms, kind, busy in zip(result[times], result["kinds"], result["rebalancing"])
         if kind == "decode" and (rebalancing is None or busy == rebalancing)
     ]
 
@@ -77,17 +78,20 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
             synchronize(device)
             compile_s[name] += time.perf_counter() - start
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        times: dict[str, list[float]] = {"off": [], "on_idle": []}
+        times: dict[str, list[float]] = {"off": [], "on_idle": [], "on_idle_eplb_host": []}
         for step in range(cfg.steps):
             batch = decode[step % len(decode)]
             for name in ("off", "on_idle") if step % 2 else ("on_idle", "off"):
                 start = time.perf_counter()
                 if name == "on_idle":
                     controller.begin_batch(num_unpadded_tokens=batch.num_tokens, is_prefill=False)
+                forward_start = time.perf_counter()
                 forwards[name](batch.tokens)
+                synchronize(device)
+                forward_end = time.perf_counter()
                 if name == "on_idle":
                     controller.end_batch()
-                synchronize(device)
+                    times["on_idle_eplb_host"].append((forward_start - start + time.perf_counter() - forward_end) * 1e3)
                 times[name].append((time.perf_counter() - start) * 1e3)
         recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
         recaptures = {name: None if c is None else c.stats.recaptures for name, c in captured.items()}
@@ -129,6 +133,8 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int) -> dict:
         idle_steps = [ms for r in paired for ms in r["times"]["on_idle"]]
         rearranging = [ms for r in busy for ms in _decode_steps(r, True)]
         steady = [ms for r in busy for ms in _decode_steps(r, False)]
+        # the main thread's EPLB work inside those steps: upstream's rearrange() and layer commits
+        rearranging_host = [ms for r in busy for ms in _decode_steps(r, True, "eplb_host_ms")]
         recompiles = max(r["recompiles"] for r in paired)
         entries = [
             _entry(mode, "off", off_steps, base, compile_s=max(r["compile_s"]["off"] for r in paired),
@@ -141,11 +147,15 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int) -> dict:
                    rearrangements=min(r["rearrangements_finished"] for r in busy)),
         ]
         results.extend(entries)
+        idle_host = [ms for r in paired for ms in r["times"]["on_idle_eplb_host"]]
         ratios[mode] = {
             "on_idle_over_off": round(entries[1]["p50_ms"] / entries[0]["p50_ms"], 3),
+            "on_idle_eplb_host_p50_ms": round(statistics.median(idle_host), 3),  # begin_batch + end_batch
             "rearranging_p99_over_steady_p50": round(percentile(rearranging, 99) / statistics.median(steady), 3)
             if rearranging else None,
             "steady_p50_ms": round(statistics.median(steady), 3),
+            "rearranging_eplb_host_p50_ms": round(statistics.median(rearranging_host), 3) if rearranging_host else None,
+            "rearranging_eplb_host_p99_ms": round(percentile(rearranging_host, 99), 3) if rearranging_host else None,
         }
     by_key = {(r["mode"], r["eplb"]): r for r in results}
     graph_mode = "graph" if base.device != "cpu" else "compiled"  # on CPU the compiled mode is the graph mode

@@ -112,6 +112,7 @@ class RunConfig:
 class RankResult:
     rank: int
     step_ms: list[float] = field(default_factory=list)
+    eplb_host_ms: list[float] = field(default_factory=list)  # of step_ms: begin_batch + end_batch (commits)
     kinds: list[str] = field(default_factory=list)
     rebalancing: list[bool] = field(default_factory=list)
     rank_load: list[list[list[int]]] = field(default_factory=list)  # per step: [layers][ranks], all ranks' tokens
@@ -301,6 +302,7 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
             start = time.perf_counter()
             if controller is not None:
                 controller.begin_batch(num_unpadded_tokens=batch.num_tokens, is_prefill=batch.is_prefill)
+            eplb_host = time.perf_counter() - start
             out = forward(tokens)
             synchronize(device)
             elapsed = time.perf_counter() - start
@@ -312,6 +314,7 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
                 end_start = time.perf_counter()
                 controller.end_batch()
                 synchronize(device)
+                eplb_host += time.perf_counter() - end_start
                 elapsed += time.perf_counter() - end_start
                 busy = busy or controller.rebalancing  # the step that starts a rearrangement pays for it
                 if controller.stats.rearrangements_finished > last_finished:
@@ -324,6 +327,7 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
                     graphs_after_warmup = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             else:  # timed steps only, aligned lists
                 result.step_ms.append(elapsed * 1e3)
+                result.eplb_host_ms.append(eplb_host * 1e3)
                 result.kinds.append(batch.kind)
                 result.rebalancing.append(busy)
             result.tokens += batch.num_tokens
