@@ -17,7 +17,8 @@ longer fits is reported as skipped, never silently dropped):
 
 Ranks: one per visible GPU, at most 2 (NCCL runs one rank per GPU; on a one-GPU machine
 the EP group has one rank, which still rebalances replicas and moves weights).
-Needs torch with CUDA and vLLM (EPLB's control plane is upstream's) importable.
+Needs torch with CUDA and vLLM (EPLB's control plane is upstream's) importable, and this
+package installed into that environment (``pip install --no-deps -e .``).
 Writes ``gpu_bench.json`` beside each stage's own JSON under ``--out``.
 """
 
@@ -52,6 +53,10 @@ def preflight() -> str | None:
         import vllm.distributed.eplb.eplb_state  # noqa: F401
     except Exception as error:  # an ImportError, or a vLLM built for another torch
         return f"vLLM's EPLB control plane is not importable ({type(error).__name__}: {error})"
+    try:
+        import eplb_graph.custom_ops  # noqa: F401  (custom_ops/ installs under eplb_graph)
+    except ImportError as error:
+        return f"eplb_graph is not installed in this environment: pip install --no-deps -e . ({error})"
     return None
 
 
