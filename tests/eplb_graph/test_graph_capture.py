@@ -14,7 +14,7 @@ import torch
 
 from eplb_graph.graph_capture import CapturedForward, CudaGraph, device_graph_factory
 from eplb_graph.layer_lookup import initial_placement
-from eplb_graph.runner import RunConfig, build_rank_models, graph_tensors
+from eplb_graph.runner import RunConfig, build_rank_models, graph_tensor_reader
 from eplb_graph.workload import make_batch
 from tests.markers import requires_cuda
 
@@ -52,7 +52,7 @@ def one_rank_model(device: str):
 def captured(cfg, model, layers, flags, graph_factory) -> CapturedForward:
     return CapturedForward(
         model, cfg.capture_sizes, device=cfg.device, flags=flags, graph_factory=graph_factory,
-        graph_tensors=lambda: graph_tensors(model, layers),
+        graph_tensors=graph_tensor_reader(model, layers),
     )
 
 
@@ -122,6 +122,10 @@ def test_a_replaced_table_is_recaptured_and_counted(device, graph):
         torch.testing.assert_close(out, reference(batch.tokens), rtol=1e-5, atol=1e-5)
         forward(batch.tokens)
         assert forward.stats.recaptures == 1  # the new graph holds the new address
+        experts = model.layers[1].mlp.experts
+        experts.w2 = torch.nn.Parameter(experts.w2.detach().clone(), requires_grad=False)  # a weight replaced
+        forward(batch.tokens)
+        assert forward.stats.recaptures == 2
 
 
 def test_a_batch_of_an_uncaptured_size_is_refused():
