@@ -7,6 +7,7 @@ a message naming it; the survivors are stopped, never left hanging.
 
 from __future__ import annotations
 
+import faulthandler
 import queue
 import socket
 import time
@@ -31,6 +32,7 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable, rank: int, world_size: int, init_method: str, args: tuple, results) -> None:
+    faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack
     try:
         results.put((rank, True, fn(rank, world_size, init_method, *args)))
     except BaseException as error:  # reported to the launcher, then the process exits nonzero
