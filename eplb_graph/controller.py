@@ -196,6 +196,13 @@ class EplbController:
         return self.model_state.physical_to_logical_map.cpu().clone()
 
     def close(self) -> None:
+        """Ends EPLB on this rank; every rank calls it at the same step (before the groups are
+        destroyed). An in-flight rearrangement is drained first with upstream's ``drain_async``
+        (lockstep over the EP CPU group; the layers not yet committed stay at their committed
+        placement): destroying the groups while the worker is inside a transfer would pull
+        them from under a running gloo operation."""
+        self.check_worker()
+        self.state.drain_async()
         self.compat.uninstall()
         for layer in self.layers:
             layer.close()

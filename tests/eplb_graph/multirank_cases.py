@@ -163,3 +163,31 @@ def run_rank_then_die(rank, world_size, init_method, cfg, die_rank, die_step):
 
     runner.make_batch = make_batch_or_die
     return runner.run_rank(rank, world_size, init_method, cfg)
+
+
+def close_mid_rearrangement(rank, world_size, init_method):
+    """Steps until a rearrangement is under way, then closes the controller at once."""
+    from eplb_graph.ep_runtime import build_rank_stack, skewed_batch
+
+    spec, context = _setup(rank, world_size, init_method)
+    with context:
+        stack = build_rank_stack(spec, rank, world_size)
+        controller = stack.controller
+        step = 0
+        while not controller.rebalancing:
+            stack.forward(skewed_batch(spec, step, rank, drift_every=10), check=False)
+            step += 1
+        committed_before = controller.stats.layers_committed
+        controller.close()
+        model_state = controller.model_state
+        return {
+            "closed_at_step": step,
+            "committed_before_close": committed_before,
+            "rebalanced_after_close": model_state.rebalanced,
+            "pending_after_close": model_state.pending_result is not None,
+            "weights_match_lookup": stack.local_weights_match_placement(),
+            "lookup_is_committed": all(
+                torch.equal(layer.tables.physical_to_logical, committed)
+                for layer, committed in zip(stack.rank_layers, controller.placements())
+            ),
+        }

@@ -53,6 +53,17 @@ def test_peer_killed_mid_transfer_survivor_errors_and_keeps_committed_state():
     assert survivor["weights_match_lookup"] and survivor["lookup_is_committed"]
 
 
+def test_closing_mid_rearrangement_drains_the_worker_first():
+    """No transfer may be under way when the groups are destroyed after close()."""
+    results = run_ranks(multirank_cases.close_mid_rearrangement, 2, timeout_s=120)
+    assert len({r["closed_at_step"] for r in results}) == 1
+    for result in results:
+        assert result["committed_before_close"] == 0  # closed before the first layer committed
+        assert not result["rebalanced_after_close"] and not result["pending_after_close"]
+        # drained, not applied: weights and lookup stay at the committed placement
+        assert result["weights_match_lookup"] and result["lookup_is_committed"]
+
+
 def test_invalid_policy_output_is_rejected_before_any_byte_moves():
     results = run_ranks(multirank_cases.invalid_policy_output_is_rejected, 2, timeout_s=120)
     for result in results:
