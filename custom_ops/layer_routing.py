@@ -77,29 +77,20 @@ class LayerTableRegistry:
 LAYER_TABLES = LayerTableRegistry()
 
 
-def check_ids(topk_ids: torch.Tensor) -> None:
-    """The one argument a caller passes. The tables are a layer's own: LayerLookup creates
-    them with fixed shapes and dtypes and validates a rebound load buffer, so the hot path
-    checks only the ids (plain tests: ``torch._check`` costs ~2 us each at run time)."""
-    if topk_ids.dim() != 2:
-        raise RuntimeError(f"topk_ids must be [T, K], got {tuple(topk_ids.shape)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise RuntimeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-
-
 def _make_kernel(map_and_record_impl):
-    """``map_and_record_impl``: a device's unchecked map_and_record."""
+    """``map_and_record_impl``: a device's unchecked map_and_record. The tables are the
+    layer's own (LayerLookup creates them typed and validates a rebound load buffer), so
+    the hot path checks only the ids the caller passes."""
 
     def kernel(topk_ids: torch.Tensor, layer: str) -> torch.Tensor:
-        check_ids(topk_ids)
+        routing.check_ids(topk_ids)
         return map_and_record_impl(topk_ids, *LAYER_TABLES.resolve(layer).routing_tensors())
 
     return kernel
 
 
 def map_and_record_layer_fake(topk_ids: torch.Tensor, layer: str) -> torch.Tensor:
-    torch._check(topk_ids.dim() == 2, lambda: f"topk_ids must be [T, K], got {tuple(topk_ids.shape)}")
-    torch._check(topk_ids.dtype in (torch.int32, torch.int64), lambda: f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    routing.check_ids(topk_ids)
     if layer not in LAYER_TABLES:  # fail when the graph is built, not at the first replay
         LAYER_TABLES.resolve(layer)
     return torch.empty_like(topk_ids)

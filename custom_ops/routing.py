@@ -39,6 +39,15 @@ MAP_AND_RECORD_SCHEMA = (
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
+def check_ids(topk_ids: torch.Tensor) -> None:
+    """[T, K] int32/int64 ids. Rank and dtype are static even on fake tensors, so plain tests
+    serve the kernels and the fakes alike (``torch._check`` costs ~2 us each at run time)."""
+    if topk_ids.dim() != 2:
+        raise RuntimeError(f"topk_ids must be [T, K], got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in _ID_DTYPES:
+        raise RuntimeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+
+
 def check_routing_args(
     topk_ids: torch.Tensor, lookup: torch.Tensor, replica_count: torch.Tensor
 ) -> None:
@@ -47,8 +56,7 @@ def check_routing_args(
     They run at trace time under torch.compile, so a wrong call fails when the graph
     is built, not at the first replay.
     """
-    torch._check(topk_ids.dim() == 2, lambda: f"topk_ids must be [T, K], got {tuple(topk_ids.shape)}")
-    torch._check(topk_ids.dtype in _ID_DTYPES, lambda: f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    check_ids(topk_ids)
     torch._check(lookup.dim() == 2, lambda: f"lookup must be [num_logical, max_replicas], got {tuple(lookup.shape)}")
     torch._check(lookup.dtype == torch.int32, lambda: f"lookup must be int32, got {lookup.dtype}")
     torch._check(
