@@ -33,7 +33,7 @@ from eplb_graph.runner import (
     rank_device,
     rank_session,
     run_rank_and_shut_down,
-    synchronize,
+    timed_step,
 )
 from eplb_graph.workload import make_batch
 
@@ -71,28 +71,16 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
         workload = cfg.workload()
         decode = [make_batch(workload, step, rank).to(device) for step in range(1, 8)]  # steps 1..7 are decode
         for name, forward in forwards.items():  # first call: compiles (graph mode captured already)
-            start = time.perf_counter()
-            controller.begin_batch(num_unpadded_tokens=decode[0].num_tokens, is_prefill=False)
-            forward(decode[0].tokens)
-            controller.end_batch()
-            synchronize(device)
-            compile_s[name] += time.perf_counter() - start
+            compile_s[name] += timed_step(forward, decode[0], device, controller).seconds
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         times: dict[str, list[float]] = {"off": [], "on_idle": [], "on_idle_eplb_host": []}
         for step in range(cfg.steps):
             batch = decode[step % len(decode)]
             for name in ("off", "on_idle") if step % 2 else ("on_idle", "off"):
-                start = time.perf_counter()
+                timed = timed_step(forwards[name], batch, device, controller if name == "on_idle" else None)
+                times[name].append(timed.seconds * 1e3)
                 if name == "on_idle":
-                    controller.begin_batch(num_unpadded_tokens=batch.num_tokens, is_prefill=False)
-                forward_start = time.perf_counter()
-                forwards[name](batch.tokens)
-                synchronize(device)
-                forward_end = time.perf_counter()
-                if name == "on_idle":
-                    controller.end_batch()
-                    times["on_idle_eplb_host"].append((forward_start - start + time.perf_counter() - forward_end) * 1e3)
-                times[name].append((time.perf_counter() - start) * 1e3)
+                    times["on_idle_eplb_host"].append(timed.eplb_host_s * 1e3)
         recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
         recaptures = {name: None if c is None else c.stats.recaptures for name, c in captured.items()}
         controller.close()

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from eplb_graph.run_report import balancedness
-from eplb_graph.workload import WorkloadSpec, make_batch
+from eplb_graph.workload import Batch, WorkloadSpec, make_batch
 
 MODES = ("eager", "compiled", "graph")
 DEVICES = ("cpu", "cuda", "npu")
@@ -251,6 +251,34 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass
+class TimedStep:
+    out: torch.Tensor
+    seconds: float  # begin_batch + forward (synchronized) + end_batch
+    eplb_host_s: float  # of which begin_batch + end_batch: upstream's step, rearrange, layer commits
+
+
+def timed_step(forward, batch: Batch, device: torch.device, controller=None, between=None) -> TimedStep:
+    """One step as a server runs it: EPLB's host work before and after the forward counts;
+    ``between`` (bookkeeping that must read the pass's load before ``end_batch`` folds it into
+    upstream's window) runs untimed."""
+    start = time.perf_counter()
+    if controller is not None:
+        controller.begin_batch(num_unpadded_tokens=batch.num_tokens, is_prefill=batch.is_prefill)
+    forward_start = time.perf_counter()
+    out = forward(batch.tokens)
+    synchronize(device)
+    forward_end = time.perf_counter()
+    if between is not None:
+        between()
+    end_start = time.perf_counter()
+    if controller is not None:
+        controller.end_batch()
+        synchronize(device)
+    end = time.perf_counter()
+    return TimedStep(out, forward_end - start + end - end_start, forward_start - start + end - end_start)
+
+
 @contextlib.contextmanager
 def rank_session(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> Iterator[tuple]:
     """This process as one EP rank: vLLM's groups with the run's EPLB window and interval, the
@@ -301,30 +329,21 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
         seen_sizes: set[int] = set()
         graphs_after_warmup = None
         last_finished = 0
+
+        def record_loads() -> None:  # this step's global load, for balancedness
+            per_rank, logical_load = _global_loads(rank_layers, world_size, cpu_group)
+            result.rank_load.append(per_rank.tolist())
+            result.logical_load.append(logical_load.tolist())
+
         for step in range(cfg.steps):
             batch = make_batch(workload, step, rank).to(device)
             tokens = batch.tokens
             size = tokens.shape[1]
             busy = controller is not None and controller.rebalancing
-            # A step's time: EPLB's host work before and after the forward counts, the
-            # balancedness bookkeeping of this runner does not.
-            start = time.perf_counter()
+            timed = timed_step(forward, batch, device, controller,
+                               record_loads if cfg.eplb and cfg.collect_load_stats else None)
+            out, elapsed = timed.out, timed.seconds
             if controller is not None:
-                controller.begin_batch(num_unpadded_tokens=batch.num_tokens, is_prefill=batch.is_prefill)
-            eplb_host = time.perf_counter() - start
-            out = forward(tokens)
-            synchronize(device)
-            elapsed = time.perf_counter() - start
-            if cfg.eplb and cfg.collect_load_stats:  # read before end_batch: upstream folds the pass load into its window there
-                per_rank, logical_load = _global_loads(rank_layers, world_size, cpu_group)
-                result.rank_load.append(per_rank.tolist())
-                result.logical_load.append(logical_load.tolist())
-            if controller is not None:
-                end_start = time.perf_counter()
-                controller.end_batch()
-                synchronize(device)
-                eplb_host += time.perf_counter() - end_start
-                elapsed += time.perf_counter() - end_start
                 busy = busy or controller.rebalancing  # the step that starts a rearrangement pays for it
                 if controller.stats.rearrangements_finished > last_finished:
                     last_finished = controller.stats.rearrangements_finished
@@ -336,7 +355,7 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
                     graphs_after_warmup = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             else:  # timed steps only, aligned lists
                 result.step_ms.append(elapsed * 1e3)
-                result.eplb_host_ms.append(eplb_host * 1e3)
+                result.eplb_host_ms.append(timed.eplb_host_s * 1e3)
                 result.kinds.append(batch.kind)
                 result.rebalancing.append(busy)
             result.tokens += batch.num_tokens
