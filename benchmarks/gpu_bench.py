@@ -61,8 +61,7 @@ def preflight() -> str | None:
 
 
 class Stages:
-    def __init__(self, out: Path, budget_s: float) -> None:
-        self.out = out
+    def __init__(self, budget_s: float) -> None:
         self.deadline = time.monotonic() + budget_s
         self.report: dict[str, dict] = {}
 
@@ -121,7 +120,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     ranks = str(min(2, torch.cuda.device_count()))
     cli = [sys.executable, "-m", "eplb_graph.cli"]
-    stages = Stages(args.out, args.budget_s)
+    stages = Stages(args.budget_s)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
     stages.run("cuda_tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-k", "cuda", *CUDA_TEST_FILES], 150)
