@@ -27,6 +27,7 @@ import torch
 from eplb_graph.launch import run_ranks
 from eplb_graph.run_report import percentile
 from eplb_graph.runner import (
+    MODES,
     RunConfig,
     build_rank_models,
     prepare_step,
@@ -36,6 +37,20 @@ from eplb_graph.runner import (
     timed_step,
 )
 from eplb_graph.workload import make_batch
+
+
+def bench_modes(requested: str, device: str) -> tuple[str, ...]:
+    """The modes a bench runs: every mode the device has for "all", else the one asked for.
+    On the host the compiled mode is the graph mode, so "graph" there is refused, not run twice."""
+    available = ("eager", "compiled") if device == "cpu" else MODES
+    if requested == "all":
+        return available
+    if requested not in MODES:
+        raise ValueError(f"unknown mode {requested!r}; expected all or one of {', '.join(MODES)}")
+    if requested not in available:
+        raise ValueError(f"bench --mode {requested} on {device}: on the host the compiled mode is the graph mode; "
+                         f"use --mode compiled")
+    return (requested,)
 
 
 def _decode_steps(result: dict, rebalancing: bool | None, times: str = "step_ms") -> list[float]:

@@ -119,10 +119,10 @@ def _run(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from eplb_graph.bench import format_table, run_bench, write_chart
+    from eplb_graph.bench import bench_modes, format_table, run_bench, write_chart
 
-    config = _run_config(args)
-    modes = ("eager", "compiled") if config.device == "cpu" else ("eager", "compiled", "graph")
+    modes = bench_modes(args.mode, args.device)
+    config = _run_config(args, mode=modes[0])
     report = run_bench(config, modes, args.steps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -139,7 +139,8 @@ def _bench(args: argparse.Namespace) -> int:
 def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode: str = "compiled") -> None:
     from eplb_graph.runner import DEVICES, MODES
 
-    parser.add_argument("--mode", default=mode, help=f"one of {', '.join(MODES)}")
+    choices = ", ".join(MODES) + (", all (every mode the device has)" if mode == "all" else "")
+    parser.add_argument("--mode", default=mode, help=f"one of {choices}")
     parser.add_argument("--device", default="cpu", help=f"one of {', '.join(DEVICES)}")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=steps)
@@ -186,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_run)
 
     bench = commands.add_parser("bench", help="step latency: eager vs compiled, EPLB off / on-idle / rearranging")
-    _add_runtime_arguments(bench, steps=120)
+    _add_runtime_arguments(bench, steps=120, mode="all")
     bench.set_defaults(func=_bench)
     return parser
 

@@ -154,3 +154,31 @@ def test_bench_reports_every_mode_and_setting(capsys, tmp_path):
         assert 0 < ratios["rearranging_eplb_host_p50_ms"] <= ratios["rearranging_eplb_host_p99_ms"] <= rearranging["p99_ms"]
         assert rearranging["recaptures"] is None  # nothing is captured on the host
     assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.png").exists()
+
+
+def test_bench_runs_the_mode_asked_for(monkeypatch, capsys, tmp_path):
+    import eplb_graph.bench as bench
+
+    asked = []
+
+    def fake_run_bench(config, modes, steps):  # the selection is the subject, not the timings
+        asked.append((config.mode, modes))
+        return {"device": config.device, "ranks": config.ranks, "results": [], "ratios": {}}
+
+    monkeypatch.setattr(bench, "run_bench", fake_run_bench)
+    monkeypatch.setattr(bench, "write_chart", lambda out, report: out / "bench.png")
+    assert main(["bench", "--mode", "compiled", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "--out", str(tmp_path)]) == 0
+    assert asked == [("compiled", ("compiled",)), ("eager", ("eager", "compiled"))]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mode", "graph"], "on the host the compiled mode is the graph mode"),
+        (["--mode", "warp"], "unknown mode 'warp'"),
+    ],
+)
+def test_bench_refuses_a_mode_the_device_lacks(args, message, capsys, tmp_path):
+    assert main(["bench", "--out", str(tmp_path), *args]) == 2
+    assert message in capsys.readouterr().err
