@@ -103,6 +103,26 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
     return {"times": times, "compile_s": compile_s, "recompiles": recompiles, "recaptures": recaptures}
 
 
+def paired_ratio_interval(numerator: list[float], denominator: list[float], *, block: int = 10,
+                          resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95 % interval of median(numerator) / median(denominator) for paired step times
+    (numerator[i] and denominator[i] timed back to back), by a moving-block bootstrap:
+    blocks of consecutive pairs are drawn together, keeping the steps' correlation in time
+    (the workload's batches cycle, the machine's load drifts). Says how far the measured
+    ratio can be trusted on a noisy machine; seeded, so a report reproduces from its steps."""
+    if len(numerator) != len(denominator) or len(numerator) < block:
+        raise ValueError(f"need two paired series of at least {block} steps, got {len(numerator)} and {len(denominator)}")
+    pairs = torch.tensor([numerator, denominator], dtype=torch.float64)  # [2, N]
+    n = pairs.shape[1]
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, n - block + 1, (resamples, -(-n // block)), generator=generator)  # [R, ceil(N / block)]
+    picks = (starts.unsqueeze(-1) + torch.arange(block)).flatten(1)[:, :n]  # [R, N]
+    medians = pairs[:, picks].quantile(0.5, dim=-1)  # [2, R]
+    ratios = medians[0] / medians[1]  # [R]
+    low, high = ratios.quantile(torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return low, high
+
+
 def _worst(counts: list[int | None]) -> int | None:
     """The largest count over ranks; None where a mode captures nothing."""
     return None if any(c is None for c in counts) else max(counts)
@@ -153,6 +173,8 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int) -> dict:
         idle_host = [ms for r in paired for ms in r["times"]["on_idle_eplb_host"]]
         ratios[mode] = {
             "on_idle_over_off": round(entries[1]["p50_ms"] / entries[0]["p50_ms"], 3),
+            # off and on_idle alternate step by step in the same processes: a paired interval
+            "on_idle_over_off_ci95": [round(x, 3) for x in paired_ratio_interval(idle_steps, off_steps)],
             "on_idle_eplb_host_p50_ms": round(statistics.median(idle_host), 3),  # begin_batch + end_batch
             "rearranging_p99_over_steady_p50": round(percentile(rearranging, 99) / statistics.median(steady), 3)
             if rearranging else None,

@@ -149,6 +149,8 @@ def test_bench_reports_every_mode_and_setting(capsys, tmp_path):
     for mode in ("eager", "compiled"):
         ratios = report["ratios"][mode]
         assert set(ratios) >= {"on_idle_over_off", "rearranging_p99_over_steady_p50"}
+        low, high = ratios["on_idle_over_off_ci95"]
+        assert 0 < low <= high
         rearranging = next(r for r in report["results"] if r["mode"] == mode and r["eplb"] == "on_rearranging")
         # upstream's main-thread EPLB work (rearrange, commits) is part of a rearranging step, never more
         assert 0 < ratios["rearranging_eplb_host_p50_ms"] <= ratios["rearranging_eplb_host_p99_ms"] <= rearranging["p99_ms"]
@@ -182,3 +184,19 @@ def test_bench_runs_the_mode_asked_for(monkeypatch, capsys, tmp_path):
 def test_bench_refuses_a_mode_the_device_lacks(args, message, capsys, tmp_path):
     assert main(["bench", "--out", str(tmp_path), *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_paired_ratio_interval_brackets_the_true_ratio():
+    from eplb_graph.bench import paired_ratio_interval
+
+    generator = torch.Generator().manual_seed(3)
+    off = (3 + torch.rand(400, generator=generator)).tolist()  # a drifting machine: 3-4 ms steps
+    exact = [1.1 * ms for ms in off]
+    assert paired_ratio_interval(exact, off) == pytest.approx((1.1, 1.1))
+    noisy = [1.04 * ms + float(torch.randn((), generator=generator)) * 0.3 for ms in off]
+    low, high = paired_ratio_interval(noisy, off)
+    assert low < 1.04 < high and high - low < 0.1
+    short_low, short_high = paired_ratio_interval(noisy[:40], off[:40])
+    assert short_high - short_low > high - low  # fewer steps, less certainty
+    with pytest.raises(ValueError, match="paired series"):
+        paired_ratio_interval(noisy[:39], off[:40])
