@@ -37,8 +37,9 @@ def _numba_available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-def _on_first_call(module: str, name: str):
-    """A kernel whose module is imported at its first call, not at registration.
+def _on_first_call(module: str, name: str, *, construct: bool = False):
+    """A kernel whose module is imported at its first call, not at registration
+    (``construct``: the name is a class, and the kernel is an instance of it).
 
     Importing numba pulls llvmlite into ``sys.modules``, and vLLM's CPU worker start scans
     every module's globals (``triton_utils.dispatcher._rebind_kernels``) and fails on
@@ -51,6 +52,8 @@ def _on_first_call(module: str, name: str):
         nonlocal kernel
         if kernel is None:
             kernel = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+            if construct:
+                kernel = kernel()
         return kernel(*args)
 
     call.__name__ = name
@@ -67,19 +70,20 @@ def _register(lib: torch.library.Library) -> None:
         "record_load": routing.record_load_kernel,
         "map_and_record": routing.map_and_record_kernel,
     }
-    cpu, cpu_map_and_record = dict(composite), routing.map_and_record_composite
+    cpu, cpu_layer_kernel = dict(composite), layer_routing.on_tables(routing.map_and_record_composite)
     if _numba_available():
         cpu_map_and_record = _on_first_call("cpu_routing", "map_and_record_cpu")
+        cpu_layer_kernel = _on_first_call("cpu_routing", "LayerMapAndRecord", construct=True)
         cpu["map_to_physical"] = routing.checked_map_to_physical(_on_first_call("cpu_routing", "map_to_physical_cpu"))
         cpu["record_load"] = routing.checked_record_load(_on_first_call("cpu_routing", "record_load_cpu"))
         cpu["map_and_record"] = routing.checked_map_and_record(cpu_map_and_record)
-    cuda, cuda_map_and_record = dict(composite), routing.map_and_record_composite
+    cuda, cuda_layer_kernel = dict(composite), layer_routing.on_tables(routing.map_and_record_composite)
     if _triton_available():
         from . import triton_routing
 
-        cuda_map_and_record = triton_routing.map_and_record_cuda
+        cuda_layer_kernel = layer_routing.on_tables(triton_routing.map_and_record_cuda)
         cuda["map_to_physical"] = routing.checked_map_to_physical(triton_routing.map_to_physical_cuda)
-        cuda["map_and_record"] = routing.checked_map_and_record(cuda_map_and_record)
+        cuda["map_and_record"] = routing.checked_map_and_record(triton_routing.map_and_record_cuda)
 
     for name in ("map_to_physical", "record_load", "map_and_record"):
         lib.impl(name, cpu[name], "CPU")
@@ -89,7 +93,7 @@ def _register(lib: torch.library.Library) -> None:
     torch.library.register_fake(f"{NAMESPACE}::map_to_physical", routing.map_to_physical_fake, lib=lib)
     torch.library.register_fake(f"{NAMESPACE}::record_load", routing.record_load_fake, lib=lib)
     torch.library.register_fake(f"{NAMESPACE}::map_and_record", routing.map_and_record_fake, lib=lib)
-    layer_routing.register(lib, cpu_map_and_record, cuda_map_and_record)
+    layer_routing.register(lib, cpu_layer_kernel, cuda_layer_kernel)
 
 
 def _already_registered() -> bool:

@@ -9,6 +9,8 @@ Compiled on first use and cached next to this file.
 
 from __future__ import annotations
 
+import weakref
+
 import numba
 import numpy as np
 import torch
@@ -62,6 +64,42 @@ def map_and_record_cpu(topk_ids, lookup, replica_count, load, record_enabled, nu
         _flag(record_enabled), _flag(num_unpadded_tokens), True,
     )
     return physical
+
+
+class LayerMapAndRecord:
+    """``map_and_record_layer``'s CPU kernel: the numba loop over a named layer's live tables.
+
+    Turning a tensor into a numpy view costs ~1 µs, seven of them per call most of the
+    op's time, so the five table views are made once per layer and kept. They share the
+    tensors' memory and the tables are refreshed in place, so a view sees every refresh;
+    a table whose storage changes (a rebound load buffer) changes the fingerprint (data
+    pointers) and the views are remade. Views die with their layer (weak keys).
+    """
+
+    def __init__(self) -> None:
+        self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (fingerprint, views)
+
+    def table_views(self, layer) -> tuple[np.ndarray, ...]:
+        """(lookup, replica_count, load, record_enabled, num_unpadded_tokens) as numpy views."""
+        tensors = layer.routing_tensors()
+        fingerprint = [tensor.data_ptr() for tensor in tensors]
+        cached = self._views.get(layer)
+        if cached is None or cached[0] != fingerprint:
+            lookup, replica_count, load, record_enabled, num_unpadded_tokens = tensors
+            views = (lookup.numpy(), replica_count.numpy(), load.detach().numpy(), _flag(record_enabled),
+                     _flag(num_unpadded_tokens))
+            cached = (fingerprint, views)
+            self._views[layer] = cached
+        return cached[1]
+
+    def __call__(self, topk_ids: torch.Tensor, layer) -> torch.Tensor:
+        lookup, replica_count, load, record_enabled, num_unpadded_tokens = self.table_views(layer)
+        physical = torch.empty_like(topk_ids)  # [T, K]
+        _map_and_record(
+            topk_ids.detach().numpy(), lookup, replica_count, physical.numpy(), load, record_enabled,
+            num_unpadded_tokens, True,
+        )
+        return physical
 
 
 def map_to_physical_cpu(topk_ids, lookup, replica_count):

@@ -77,14 +77,23 @@ class LayerTableRegistry:
 LAYER_TABLES = LayerTableRegistry()
 
 
-def _make_kernel(map_and_record_impl):
-    """``map_and_record_impl``: a device's unchecked map_and_record. The tables are the
-    layer's own (LayerLookup creates them typed and validates a rebound load buffer), so
-    the hot path checks only the ids the caller passes."""
+def on_tables(map_and_record_impl):
+    """A layer kernel from a device's unchecked map_and_record over table tensors."""
+
+    def layer_kernel(topk_ids: torch.Tensor, layer: RoutingTables) -> torch.Tensor:
+        return map_and_record_impl(topk_ids, *layer.routing_tensors())
+
+    return layer_kernel
+
+
+def _make_kernel(layer_kernel):
+    """``layer_kernel(topk_ids, layer)``: map_and_record on that live layer's tables. The
+    tables are the layer's own (LayerLookup creates them typed and validates a rebound load
+    buffer), so the hot path checks only the ids the caller passes."""
 
     def kernel(topk_ids: torch.Tensor, layer: str) -> torch.Tensor:
         routing.check_ids(topk_ids)
-        return map_and_record_impl(topk_ids, *LAYER_TABLES.resolve(layer).routing_tensors())
+        return layer_kernel(topk_ids, LAYER_TABLES.resolve(layer))
 
     return kernel
 
@@ -96,11 +105,11 @@ def map_and_record_layer_fake(topk_ids: torch.Tensor, layer: str) -> torch.Tenso
     return torch.empty_like(topk_ids)
 
 
-def register(lib: torch.library.Library, cpu_map_and_record, cuda_map_and_record) -> None:
-    """Registers the op over the same per-device map_and_record implementations as the
-    table-taking op, without their table checks."""
+def register(lib: torch.library.Library, cpu_layer_kernel, cuda_layer_kernel) -> None:
+    """Registers the op over per-device layer kernels (``on_tables`` makes one from the
+    table-taking op's implementation, without its table checks)."""
     lib.define(MAP_AND_RECORD_LAYER_SCHEMA)
-    lib.impl("map_and_record_layer", _make_kernel(cpu_map_and_record), "CPU")
-    lib.impl("map_and_record_layer", _make_kernel(cuda_map_and_record), "CUDA")
-    lib.impl("map_and_record_layer", _make_kernel(routing.map_and_record_composite), "PrivateUse1")
+    lib.impl("map_and_record_layer", _make_kernel(cpu_layer_kernel), "CPU")
+    lib.impl("map_and_record_layer", _make_kernel(cuda_layer_kernel), "CUDA")
+    lib.impl("map_and_record_layer", _make_kernel(on_tables(routing.map_and_record_composite)), "PrivateUse1")
     torch.library.register_fake("eplb_graph::map_and_record_layer", map_and_record_layer_fake, lib=lib)
