@@ -5,7 +5,8 @@ decode steps (16 tokens per rank by default, the batch size the targets name):
 
     off             no EPLB: logical ids index experts directly, no routing op
     on_idle         EPLB on, identity placement, no rearrangement (interval > steps);
-                    off and on_idle run in the same processes, steps alternating
+                    off and on_idle run in the same processes, steps rotating, beside a
+                    second EPLB-off model (off_twin: the harness's A/A yardstick)
     on_rearranging  EPLB on with frequent rearrangements: steps while an async
                     rearrangement runs (the step that starts one included), next to the
                     same run's steady steps
@@ -62,9 +63,14 @@ def _decode_steps(result: dict, rebalancing: bool | None, times: str = "step_ms"
     ]
 
 
+PAIRED_SETTINGS = ("off", "on_idle", "off_twin")
+
+
 def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> dict:
     """EPLB off and EPLB on (identity placement, never rearranging) in the same processes,
-    decode steps alternating between the two models, so both see the same machine."""
+    decode steps rotating between the models, so all see the same machine. ``off_twin`` is
+    a second, identical EPLB-off model: off_twin / off is what this harness measures when
+    nothing differs (an A/A test), the yardstick for on_idle / off."""
     from eplb_graph.controller import EplbController
     from eplb_graph.expert_parallel import shutdown_expert_parallel
 
@@ -74,25 +80,30 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
         device = rank_device(cfg)
         on_model, _, layers, on_flags = build_rank_models(on_cfg, rank, world_size, group)
         off_model, _, _, off_flags = build_rank_models(off_cfg, rank, world_size, group)
+        twin_model, _, _, twin_flags = build_rank_models(off_cfg, rank, world_size, group)  # same seed, same weights
         controller = EplbController(layers, device=device)
         # the backend's verifier is strict: a graph that fails it does not compile
         compile_s, captured = {}, {}
         forwards = {}
         for name, model, run_cfg, rank_layers, flags in (("off", off_model, off_cfg, [], off_flags),
-                                                          ("on_idle", on_model, on_cfg, layers, on_flags)):
+                                                          ("on_idle", on_model, on_cfg, layers, on_flags),
+                                                          ("off_twin", twin_model, off_cfg, [], twin_flags)):
             start = time.perf_counter()
             forwards[name], captured[name] = prepare_step(model, run_cfg, rank_layers, flags, [])
             compile_s[name] = time.perf_counter() - start
         workload = cfg.workload()
         decode = [make_batch(workload, step, rank).to(device) for step in range(1, 8)]  # steps 1..7 are decode
+        step_controller = {"off": None, "on_idle": controller, "off_twin": None}
         for name, forward in forwards.items():  # first call: compiles (graph mode captured already)
-            compile_s[name] += timed_step(forward, decode[0], device, controller).seconds
+            compile_s[name] += timed_step(forward, decode[0], device, step_controller[name]).seconds
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        times: dict[str, list[float]] = {"off": [], "on_idle": [], "on_idle_eplb_host": []}
+        times: dict[str, list[float]] = {name: [] for name in PAIRED_SETTINGS}
+        times["on_idle_eplb_host"] = []
         for step in range(cfg.steps):
             batch = decode[step % len(decode)]
-            for name in ("off", "on_idle") if step % 2 else ("on_idle", "off"):
-                timed = timed_step(forwards[name], batch, device, controller if name == "on_idle" else None)
+            first = step % len(PAIRED_SETTINGS)  # each setting leads a step as often as the others
+            for name in PAIRED_SETTINGS[first:] + PAIRED_SETTINGS[:first]:
+                timed = timed_step(forwards[name], batch, device, step_controller[name])
                 times[name].append(timed.seconds * 1e3)
                 if name == "on_idle":
                     times["on_idle_eplb_host"].append(timed.eplb_host_s * 1e3)
@@ -154,6 +165,7 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int) -> dict:
         busy = run_ranks(run_rank_and_shut_down, base.ranks, busy_cfg, timeout_s=900)
         off_steps = [ms for r in paired for ms in r["times"]["off"]]
         idle_steps = [ms for r in paired for ms in r["times"]["on_idle"]]
+        twin_steps = [ms for r in paired for ms in r["times"]["off_twin"]]
         rearranging = [ms for r in busy for ms in _decode_steps(r, True)]
         steady = [ms for r in busy for ms in _decode_steps(r, False)]
         # the main thread's EPLB work inside those steps: upstream's rearrange() and layer commits
@@ -173,8 +185,11 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int) -> dict:
         idle_host = [ms for r in paired for ms in r["times"]["on_idle_eplb_host"]]
         ratios[mode] = {
             "on_idle_over_off": round(entries[1]["p50_ms"] / entries[0]["p50_ms"], 3),
-            # off and on_idle alternate step by step in the same processes: a paired interval
+            # off, on_idle and off_twin rotate step by step in the same processes: paired intervals
             "on_idle_over_off_ci95": [round(x, 3) for x in paired_ratio_interval(idle_steps, off_steps)],
+            # the A/A yardstick: two identical EPLB-off models, what the harness reads when nothing differs
+            "off_twin_over_off": round(statistics.median(twin_steps) / statistics.median(off_steps), 3),
+            "off_twin_over_off_ci95": [round(x, 3) for x in paired_ratio_interval(twin_steps, off_steps)],
             "on_idle_eplb_host_p50_ms": round(statistics.median(idle_host), 3),  # begin_batch + end_batch
             "rearranging_p99_over_steady_p50": round(percentile(rearranging, 99) / statistics.median(steady), 3)
             if rearranging else None,
