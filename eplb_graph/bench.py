@@ -64,6 +64,8 @@ def _decode_steps(result: dict, rebalancing: bool | None, times: str = "step_ms"
 
 
 PAIRED_SETTINGS = ("off", "on_idle", "off_twin")
+BLOCK_STEPS = 10  # the bootstrap's block: consecutive paired steps drawn together
+MIN_BENCH_STEPS = 2 * BLOCK_STEPS
 
 
 def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> dict:
@@ -114,7 +116,7 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
     return {"times": times, "compile_s": compile_s, "recompiles": recompiles, "recaptures": recaptures}
 
 
-def paired_ratio_interval(numerator: list[float], denominator: list[float], *, block: int = 10,
+def paired_ratio_interval(numerator: list[float], denominator: list[float], *, block: int = BLOCK_STEPS,
                           resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95 % interval of median(numerator) / median(denominator) for paired step times
     (numerator[i] and denominator[i] timed back to back), by a moving-block bootstrap:
@@ -157,6 +159,9 @@ def _entry(mode: str, eplb: str, steps: list[float], cfg: RunConfig, *, compile_
 
 
 def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int) -> dict:
+    if steps < MIN_BENCH_STEPS:  # before any process starts
+        raise ValueError(f"bench needs --steps >= {MIN_BENCH_STEPS} (p99 and the 95 % intervals need at least two "
+                         f"{BLOCK_STEPS}-step blocks per rank), got {steps}")
     results, ratios = [], {}
     for mode in modes:
         common = dict(mode=mode, steps=steps, check_outputs=False, progress=False, collect_load_stats=False)

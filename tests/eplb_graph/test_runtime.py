@@ -180,6 +180,7 @@ def test_bench_runs_the_mode_asked_for(monkeypatch, capsys, tmp_path):
     [
         (["--mode", "graph"], "on the host the compiled mode is the graph mode"),
         (["--mode", "warp"], "unknown mode 'warp'"),
+        (["--steps", "5"], "bench needs --steps >= 20"),
     ],
 )
 def test_bench_refuses_a_mode_the_device_lacks(args, message, capsys, tmp_path):
