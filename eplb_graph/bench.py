@@ -7,7 +7,7 @@ decode steps (16 tokens per rank by default, the batch size the targets name):
     on_idle         EPLB on, identity placement, no rearrangement (interval > steps);
                     off and on_idle run in the same processes, steps rotating, beside a
                     second EPLB-off model (off_twin: the harness's A/A yardstick)
-    on_rearranging  EPLB on with frequent rearrangements: steps while an async
+    on_rearranging  EPLB on, rearranging every --interval steps (10): steps while an async
                     rearrangement runs (the step that starts one included), next to the
                     same run's steady steps
 
@@ -158,16 +158,17 @@ def _entry(mode: str, eplb: str, steps: list[float], cfg: RunConfig, *, compile_
     }
 
 
-def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int) -> dict:
+def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int, *, timeout_s: float = 900) -> dict:
+    """``base.step_interval``: how often the on_rearranging run rearranges (on_idle never does)."""
     if steps < MIN_BENCH_STEPS:  # before any process starts
         raise ValueError(f"bench needs --steps >= {MIN_BENCH_STEPS} (p99 and the 95 % intervals need at least two "
                          f"{BLOCK_STEPS}-step blocks per rank), got {steps}")
     results, ratios = [], {}
     for mode in modes:
         common = dict(mode=mode, steps=steps, check_outputs=False, progress=False, collect_load_stats=False)
-        paired = run_ranks(idle_vs_off_rank, base.ranks, dataclasses.replace(base, **common), timeout_s=900)
-        busy_cfg = dataclasses.replace(base, eplb=True, step_interval=10, window_size=10, **common)
-        busy = run_ranks(run_rank_and_shut_down, base.ranks, busy_cfg, timeout_s=900)
+        paired = run_ranks(idle_vs_off_rank, base.ranks, dataclasses.replace(base, **common), timeout_s=timeout_s)
+        busy_cfg = dataclasses.replace(base, eplb=True, **common)
+        busy = run_ranks(run_rank_and_shut_down, base.ranks, busy_cfg, timeout_s=timeout_s)
         off_steps = [ms for r in paired for ms in r["times"]["off"]]
         idle_steps = [ms for r in paired for ms in r["times"]["on_idle"]]
         twin_steps = [ms for r in paired for ms in r["times"]["off_twin"]]

@@ -64,6 +64,8 @@ def _run_config(args: argparse.Namespace, **overrides):
     fields.update(overrides)
     config = RunConfig(**fields)
     config.validate()  # every bad input fails here, before a process starts
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
     return config
 
 
@@ -123,7 +125,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     modes = bench_modes(args.mode, args.device)
     config = _run_config(args, mode=modes[0])
-    report = run_bench(config, modes, args.steps)
+    report = run_bench(config, modes, args.steps, timeout_s=args.timeout)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
@@ -136,7 +138,8 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode: str = "compiled") -> None:
+def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode: str = "compiled",
+                           interval: int = 20) -> None:
     from eplb_graph.runner import DEVICES, MODES
 
     choices = ", ".join(MODES) + (", all (every mode the device has)" if mode == "all" else "")
@@ -153,7 +156,8 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode:
     parser.add_argument("--intermediate", type=int, default=64, help="routed and shared expert width")
     parser.add_argument("--decode-tokens", type=int, default=16, help="tokens per rank in a decode batch")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--interval", type=int, default=20, help="EPLB step interval (= load window), in steps")
+    parser.add_argument("--interval", type=int, default=interval,
+                        help="EPLB step interval (= load window), in steps; bench: of its on_rearranging run")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a silent rank is declared dead")
     parser.add_argument("--out", default="out")
     parser.add_argument("--json", action="store_true")
@@ -187,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_run)
 
     bench = commands.add_parser("bench", help="step latency: eager vs compiled, EPLB off / on-idle / rearranging")
-    _add_runtime_arguments(bench, steps=120, mode="all")
+    _add_runtime_arguments(bench, steps=120, mode="all", interval=10)
     bench.set_defaults(func=_bench)
     return parser
 

@@ -67,6 +67,16 @@ class RunConfig:
     def num_physical(self) -> int:
         return self.num_experts + (self.num_redundant if self.eplb else 0)
 
+    def model_config(self):
+        """The reference decoder's config (``eplb_graph.models.reference``), checked on construction."""
+        from eplb_graph.models.reference import ReferenceMoEConfig
+
+        return ReferenceMoEConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden, num_layers=self.num_layers,
+            num_experts=self.num_experts, top_k=self.top_k, expert_intermediate_size=self.expert_intermediate,
+            shared_expert_intermediate_size=self.shared_expert_intermediate,
+        )
+
     def workload(self) -> WorkloadSpec:
         return WorkloadSpec(
             vocab_size=self.vocab_size, capture_sizes=tuple(self.capture_sizes), decode_tokens=self.decode_tokens,
@@ -95,6 +105,13 @@ class RunConfig:
             raise ValueError("device 'npu': the NPU runtime needs torch_npu and an ACL graph runner, not available here")
         if self.ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {self.ranks}")
+        if self.num_experts < 1:
+            raise ValueError(f"experts must be >= 1, got {self.num_experts}")
+        if self.num_redundant < 0:
+            raise ValueError(f"redundant experts must be >= 0, got {self.num_redundant}")
+        for name in ("step_interval", "window_size"):  # upstream's EPLBConfig would refuse them inside each rank
+            if getattr(self, name) < 1:
+                raise ValueError(f"EPLB {name} must be >= 1 step, got {getattr(self, name)}")
         if self.num_physical % self.ranks:
             raise ValueError(f"{self.num_physical} physical experts do not divide over {self.ranks} ranks")
         if not 0 < self.top_k <= self.num_experts:
@@ -106,6 +123,7 @@ class RunConfig:
         for name in ("hidden", "expert_intermediate", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self.model_config()  # e.g. a width the attention heads do not divide
 
 
 @dataclass
@@ -144,19 +162,12 @@ def build_rank_models(cfg: RunConfig, rank: int, ep_size: int, group):
     from eplb_graph.ep_runtime import build_ep_layer
     from eplb_graph.expert_parallel import ExpertParallelMoE, LinearTopKRouter
     from eplb_graph.layer_lookup import BatchFlags
-    from eplb_graph.models.reference import ReferenceMoEConfig, build_reference_model
+    from eplb_graph.models.reference import build_reference_model
     from eplb_graph.weight_views import expert_format
 
     fmt = expert_format(cfg.weight_format)
     device = rank_device(cfg)
-    logical = build_reference_model(
-        ReferenceMoEConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
-            top_k=cfg.top_k, expert_intermediate_size=cfg.expert_intermediate,
-            shared_expert_intermediate_size=cfg.shared_expert_intermediate,
-        ),
-        seed=cfg.seed,
-    )
+    logical = build_reference_model(cfg.model_config(), seed=cfg.seed)
     reference, model = copy.deepcopy(logical), copy.deepcopy(logical)
     flags = BatchFlags(device)
     rank_layers = []

@@ -56,6 +56,11 @@ def test_quantized_format_runs_under_compile(capsys, tmp_path):
         (["--ranks", "3"], "20 physical experts do not divide over 3 ranks"),
         (["--format", "gptq_marlin"], "quantization format 'gptq_marlin' is not supported"),
         (["--device", "npu"], "device 'npu'"),
+        (["--interval", "0"], "EPLB step_interval must be >= 1 step, got 0"),
+        (["--redundant", "-1"], "redundant experts must be >= 0, got -1"),
+        (["--experts", "0"], "experts must be >= 1, got 0"),
+        (["--hidden", "6"], "hidden_size 6 is not divisible by num_heads 4"),
+        (["--timeout", "0"], "--timeout must be > 0 seconds, got 0.0"),
     ],
 )
 def test_bad_input_fails_before_any_process_starts(args, message, capsys, tmp_path):
@@ -164,15 +169,15 @@ def test_bench_runs_the_mode_asked_for(monkeypatch, capsys, tmp_path):
 
     asked = []
 
-    def fake_run_bench(config, modes, steps):  # the selection is the subject, not the timings
-        asked.append((config.mode, modes))
+    def fake_run_bench(config, modes, steps, *, timeout_s):  # what reaches the bench is the subject
+        asked.append((config.mode, modes, config.step_interval, timeout_s))
         return {"device": config.device, "ranks": config.ranks, "results": [], "ratios": {}}
 
     monkeypatch.setattr(bench, "run_bench", fake_run_bench)
     monkeypatch.setattr(bench, "write_chart", lambda out, report: out / "bench.png")
-    assert main(["bench", "--mode", "compiled", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "--mode", "compiled", "--out", str(tmp_path), "--interval", "7", "--timeout", "60"]) == 0
     assert main(["bench", "--out", str(tmp_path)]) == 0
-    assert asked == [("compiled", ("compiled",)), ("eager", ("eager", "compiled"))]
+    assert asked == [("compiled", ("compiled",), 7, 60), ("eager", ("eager", "compiled"), 10, 900)]
 
 
 @pytest.mark.parametrize(
