@@ -58,6 +58,12 @@ def run_demo(
 ) -> DemoReport:
     from vllm.distributed.eplb.policy.default import DefaultEplbPolicy
 
+    for name, value, least in (("experts", num_logical, 1), ("redundant experts", num_redundant, 0), ("ranks", ranks, 1),
+                               ("steps", steps, 1), ("tokens", tokens, 1)):
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
+    if not 0 < top_k <= num_logical:
+        raise ValueError(f"top_k must be in [1, {num_logical}], got {top_k}")
     num_physical = num_logical + num_redundant
     if num_physical % ranks:
         raise ValueError(f"{num_physical} physical experts do not divide over {ranks} ranks")

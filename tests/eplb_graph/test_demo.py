@@ -13,9 +13,20 @@ def test_demo_rebalances_a_compiled_router_without_recompiling():
     assert report.balancedness_after >= 0.9
 
 
-def test_cli_rejects_ranks_that_do_not_divide_physical_experts(capsys):
-    assert main(["demo", "--experts", "8", "--redundant", "1", "--ranks", "2"]) == 2
-    assert "9 physical experts do not divide over 2 ranks" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--experts", "8", "--redundant", "1", "--ranks", "2"], "9 physical experts do not divide over 2 ranks"),
+        (["--steps", "0"], "steps must be >= 1, got 0"),
+        (["--ranks", "0"], "ranks must be >= 1, got 0"),
+        (["--redundant", "-1"], "redundant experts must be >= 0, got -1"),
+        (["--experts", "0"], "experts must be >= 1, got 0"),
+        (["--experts", "2"], "top_k must be in [1, 2], got 4"),
+    ],
+)
+def test_cli_rejects_bad_input_with_a_clear_error(args, message, capsys):
+    assert main(["demo", *args]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_cli_rejects_unknown_backend():
