@@ -129,7 +129,19 @@ def rank_main(rank, world_size, init_method, spec_kwargs, steps, window, interva
     }
 
 
+def check_arguments(args: argparse.Namespace, spec) -> None:
+    """Bad input stops here, before any rank process starts."""
+    for name in ("steps", "window", "interval"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"bench_movement: --{name} must be >= 1, got {getattr(args, name)}")
+    try:
+        spec.validate(args.ranks)
+    except ValueError as error:
+        raise SystemExit(f"bench_movement: {error}") from None
+
+
 def main() -> None:
+    from eplb_graph.ep_runtime import StackSpec
     from eplb_graph.launch import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -148,6 +160,7 @@ def main() -> None:
     args = parser.parse_args()
     spec = dict(num_layers=args.layers, num_logical=args.experts, num_redundant=args.redundant, hidden=args.hidden,
                 intermediate=args.intermediate, top_k=2, tokens_per_rank=args.tokens, weight_format=args.format)
+    check_arguments(args, StackSpec(**spec))
     results = run_ranks(rank_main, args.ranks, spec, args.steps, args.window, args.interval, timeout_s=600)
     worst = max(r["rearranging_p99_over_steady_p50"] or 0 for r in results)
     report = {

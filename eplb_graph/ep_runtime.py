@@ -35,6 +35,21 @@ class StackSpec:
     def num_physical(self) -> int:
         return self.num_logical + self.num_redundant
 
+    def validate(self, ep_size: int) -> None:
+        """Every check that can fail, before a rank process (or any state) exists."""
+        expert_format(self.weight_format)
+        for name in ("num_layers", "num_logical", "hidden", "intermediate", "tokens_per_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_redundant < 0:
+            raise ValueError(f"num_redundant must be >= 0, got {self.num_redundant}")
+        if not 0 < self.top_k <= self.num_logical:
+            raise ValueError(f"top_k must be in [1, {self.num_logical}], got {self.top_k}")
+        if ep_size < 1:
+            raise ValueError(f"ranks must be >= 1, got {ep_size}")
+        if self.num_physical % ep_size:
+            raise ValueError(f"{self.num_physical} physical experts do not divide over {ep_size} ranks")
+
 
 def logical_weights(spec: StackSpec) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per layer: (router [E, H], w13 [E, 2I, H], w2 [E, H, I]), identical on every rank."""
@@ -134,9 +149,8 @@ def build_rank_stack(
     """The stack under a controller; window and interval come from the current vLLM config."""
     from vllm.distributed.parallel_state import get_ep_group
 
-    fmt = expert_format(spec.weight_format)  # unsupported formats fail here, before any state
-    if spec.num_physical % ep_size:
-        raise ValueError(f"{spec.num_physical} physical experts do not divide over {ep_size} ranks")
+    spec.validate(ep_size)  # unsupported formats and shapes fail here, before any state
+    fmt = expert_format(spec.weight_format)
     group = get_ep_group().device_group if ep_size > 1 else None
     flags = BatchFlags()
     layers, rank_layers, references = [], [], []
