@@ -70,6 +70,22 @@ def bench(num_tokens: int, top_k: int, num_logical: int, num_redundant: int, rou
     return result
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Bad input stops here, with the flag's name, before anything is timed."""
+    if min(args.tokens) < 0:
+        raise SystemExit(f"bench_routing_ops: --tokens must be >= 0, got {min(args.tokens)}")
+    for flag, value, least in (("--rounds", args.rounds, 1), ("--num-logical", args.num_logical, 1),
+                               ("--num-redundant", args.num_redundant, 0)):
+        if value < least:
+            raise SystemExit(f"bench_routing_ops: {flag} must be >= {least}, got {value}")
+    if not 0 < args.top_k <= args.num_logical:
+        raise SystemExit(f"bench_routing_ops: --top-k must be in [1, {args.num_logical}], got {args.top_k}")
+    if args.device not in ("cpu", "cuda"):
+        raise SystemExit(f"bench_routing_ops: --device must be cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_routing_ops: --device cuda, but torch.cuda.is_available() is False here")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096])
@@ -80,6 +96,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=Path("out/bench_routing_ops.json"))
     args = parser.parse_args()
+    check_arguments(args)
 
     torch.set_num_threads(1)  # the two sides compete for nothing; ratios are per-thread work
     results = [

@@ -1,4 +1,4 @@
-"""The movement benchmark's argument checks: bad input stops before any rank process starts."""
+"""The CPU benchmarks' argument checks: bad input stops with the flag's name before anything runs."""
 
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import pytest
 
 from eplb_graph.ep_runtime import StackSpec
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_movement.py"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.mark.parametrize(
@@ -27,10 +27,19 @@ def test_stack_spec_refuses_what_cannot_run(spec, ranks, message):
         spec.validate(ranks)
 
 
-def test_bench_movement_stops_before_launching(tmp_path):
-    out = tmp_path / "movement.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--steps", "0", "--out", str(out)],
+@pytest.mark.parametrize(
+    "script, args, message",
+    [
+        ("bench_movement.py", ["--steps", "0"], "bench_movement: --steps must be >= 1, got 0"),
+        ("bench_movement.py", ["--redundant", "3"], "bench_movement: 19 physical experts do not divide over 2 ranks"),
+        ("bench_routing_ops.py", ["--rounds", "0"], "bench_routing_ops: --rounds must be >= 1, got 0"),
+        ("bench_routing_ops.py", ["--device", "tpu"], "bench_routing_ops: --device must be cpu or cuda, got 'tpu'"),
+    ],
+)
+def test_a_benchmark_stops_before_running(script, args, message, tmp_path):
+    out = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args, "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
-    assert "bench_movement: --steps must be >= 1, got 0" in done.stderr
+    assert message in done.stderr
     assert not out.exists()
