@@ -17,8 +17,11 @@ longer fits is reported as skipped, never silently dropped):
 
 Ranks: one per visible GPU, at most 2 (NCCL runs one rank per GPU; on a one-GPU machine
 the EP group has one rank, which still rebalances replicas and moves weights).
-Needs torch with CUDA and vLLM (EPLB's control plane is upstream's) importable, and this
-package installed into that environment (``pip install --no-deps -e .``).
+Needs torch with CUDA and this package installed into that environment (offline:
+``pip install --no-deps --no-build-isolation -e .``). Stages 3-5 and the runtime's CUDA
+tests need vLLM (EPLB's control plane is upstream's); where it is not importable they are
+reported as skipped with the reason, and the vLLM-free stages (the ops, the lookup under
+CUDA graph replay, CapturedForward, the routing op's timing) still run.
 Writes ``gpu_bench.json`` beside each stage's own JSON under ``--out``.
 """
 
@@ -30,19 +33,20 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-CUDA_TEST_FILES = [
+VLLM_FREE_CUDA_TEST_FILES = [
     "tests/custom_ops/test_routing_ops.py",
     "tests/eplb_graph/test_layer_lookup.py",
     "tests/eplb_graph/test_graph_capture.py",
-    "tests/eplb_graph/test_runtime.py",
 ]
+RUNTIME_CUDA_TEST_FILES = ["tests/eplb_graph/test_runtime.py"]  # multi-rank runs: upstream's EPLB
 LARGE_SHAPE = ["--experts", "256", "--redundant", "32", "--top-k", "8", "--hidden", "1024", "--intermediate", "512"]
 
 
 def preflight() -> str | None:
-    """Why this machine cannot run the comparison, or None."""
+    """Why this machine cannot run any stage, or None."""
     try:
         import torch
     except ImportError:
@@ -50,14 +54,48 @@ def preflight() -> str | None:
     if not torch.cuda.is_available():
         return "torch.cuda.is_available() is False"
     try:
+        import eplb_graph.custom_ops  # noqa: F401  (custom_ops/ installs under eplb_graph)
+    except ImportError as error:
+        return (f"eplb_graph is not installed in this environment: pip install --no-deps --no-build-isolation -e . "
+                f"({error})")
+    return None
+
+
+def vllm_problem() -> str | None:
+    """Why upstream's EPLB control plane cannot be used here, or None."""
+    try:
         import vllm.distributed.eplb.eplb_state  # noqa: F401
     except Exception as error:  # an ImportError, or a vLLM built for another torch
         return f"vLLM's EPLB control plane is not importable ({type(error).__name__}: {error})"
-    try:
-        import eplb_graph.custom_ops  # noqa: F401  (custom_ops/ installs under eplb_graph)
-    except ImportError as error:
-        return f"eplb_graph is not installed in this environment: pip install --no-deps -e . ({error})"
     return None
+
+
+@dataclass
+class Stage:
+    name: str
+    command: list[str]
+    timeout_s: float
+    json_file: Path | None = None
+    skip_why: str | None = None  # set: reported as skipped, never run
+
+
+def plan(out: Path, ranks: int, without_vllm: str | None) -> list[Stage]:
+    """The stages in order; ``without_vllm``: why vLLM is missing (its stages are skipped)."""
+    cli = [sys.executable, "-m", "eplb_graph.cli"]
+    needs_vllm = None if without_vllm is None else f"needs vLLM: {without_vllm}"
+    test_files = VLLM_FREE_CUDA_TEST_FILES + (RUNTIME_CUDA_TEST_FILES if without_vllm is None else [])
+    bench_out, large_out, run_out = out / "bench", out / "bench_large", out / "run"
+    return [
+        Stage("cuda_tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-k", "cuda", *test_files], 150),
+        Stage("routing_op", [sys.executable, "benchmarks/bench_routing_ops.py", "--device", "cuda",
+                             "--out", str(out / "routing_op.json")], 60, out / "routing_op.json"),
+        Stage("bench", [*cli, "bench", "--device", "cuda", "--ranks", str(ranks), "--steps", "200",
+                        "--out", str(bench_out)], 180, bench_out / "bench.json", needs_vllm),
+        Stage("bench_large", [*cli, "bench", "--device", "cuda", "--ranks", str(ranks), "--steps", "100",
+                              *LARGE_SHAPE, "--out", str(large_out)], 150, large_out / "bench.json", needs_vllm),
+        Stage("run", [*cli, "run", "--device", "cuda", "--mode", "graph", "--ranks", str(ranks), "--steps", "1100",
+                      "--interval", "10", "--out", str(run_out)], 150, run_out / "report.json", needs_vllm),
+    ]
 
 
 class Stages:
@@ -65,9 +103,12 @@ class Stages:
         self.deadline = time.monotonic() + budget_s
         self.report: dict[str, dict] = {}
 
-    def run(self, name: str, command: list[str], timeout_s: float, json_file: Path | None = None) -> dict:
+    def run(self, name: str, command: list[str], timeout_s: float, json_file: Path | None = None,
+            skip_why: str | None = None) -> dict:
         left = self.deadline - time.monotonic()
-        if left < 30:
+        if skip_why is not None:
+            entry = {"status": "skipped", "why": skip_why}
+        elif left < 30:
             entry = {"status": "skipped", "why": f"{left:.0f} s of the budget left"}
         else:
             start = time.monotonic()
@@ -102,6 +143,8 @@ def summary_rows(report: dict) -> list[str]:
         elif name == "routing_op" and data:
             figures = ", ".join(f"T={r['num_tokens']}: {r['registered_us']:.1f} vs {r['inline_us']:.1f} us"
                                 for r in data.get("results", []))
+        if entry["status"] == "skipped":
+            figures = entry.get("why", "")
         rows.append(f"{name:<12} {entry['status']:<22} {figures}")
     return rows
 
@@ -118,26 +161,17 @@ def main() -> int:
     import torch
 
     args.out.mkdir(parents=True, exist_ok=True)
-    ranks = str(min(2, torch.cuda.device_count()))
-    cli = [sys.executable, "-m", "eplb_graph.cli"]
+    ranks = min(2, torch.cuda.device_count())
+    without_vllm = vllm_problem()
+    if without_vllm is not None:
+        print(f"gpu_bench: {without_vllm}; running the stages that do not need it", flush=True)
     stages = Stages(args.budget_s)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-
-    stages.run("cuda_tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-k", "cuda", *CUDA_TEST_FILES], 150)
-    stages.run("routing_op", [sys.executable, "benchmarks/bench_routing_ops.py", "--device", "cuda",
-                              "--out", str(args.out / "routing_op.json")], 60, args.out / "routing_op.json")
-    bench_out = args.out / "bench"
-    stages.run("bench", [*cli, "bench", "--device", "cuda", "--ranks", ranks, "--steps", "200",
-                         "--out", str(bench_out)], 180, bench_out / "bench.json")
-    large_out = args.out / "bench_large"
-    stages.run("bench_large", [*cli, "bench", "--device", "cuda", "--ranks", ranks, "--steps", "100", *LARGE_SHAPE,
-                               "--out", str(large_out)], 150, large_out / "bench.json")
-    run_out = args.out / "run"
-    stages.run("run", [*cli, "run", "--device", "cuda", "--mode", "graph", "--ranks", ranks, "--steps", "1100",
-                       "--interval", "10", "--out", str(run_out)], 150, run_out / "report.json")
+    for stage in plan(args.out, ranks, without_vllm):
+        stages.run(stage.name, stage.command, stage.timeout_s, stage.json_file, stage.skip_why)
 
     report = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
-              "ranks": int(ranks), "stages": stages.report}
+              "ranks": ranks, "vllm": without_vllm or "importable", "stages": stages.report}
     (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=2))
     bench = stages.report["bench"].get("json")
     if bench is not None:

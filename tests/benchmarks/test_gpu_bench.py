@@ -19,10 +19,32 @@ def test_without_cuda_it_exits_2_naming_the_reason(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no stage started
 
 
-def test_the_summary_names_every_stage_with_its_figures():
+def _load_script():
     spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
     gpu_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_bench)
+    sys.modules.setdefault("gpu_bench", gpu_bench)  # dataclasses resolve their module by name
+    spec.loader.exec_module(sys.modules["gpu_bench"])
+    return sys.modules["gpu_bench"]
+
+
+def test_without_vllm_the_vllm_free_stages_still_run(tmp_path):
+    gpu_bench = _load_script()
+    full = {stage.name: stage for stage in gpu_bench.plan(tmp_path, 2, None)}
+    assert [name for name, stage in full.items() if stage.skip_why] == []
+    assert "tests/eplb_graph/test_runtime.py" in full["cuda_tests"].command
+    assert full["run"].command[-6:] == ["--steps", "1100", "--interval", "10", "--out", str(tmp_path / "run")]
+
+    partial = {stage.name: stage for stage in gpu_bench.plan(tmp_path, 1, "no module named vllm")}
+    assert {name for name, stage in partial.items() if stage.skip_why} == {"bench", "bench_large", "run"}
+    assert partial["bench"].skip_why == "needs vLLM: no module named vllm"
+    # the ops, the lookup under graph replay and CapturedForward need no vLLM: their CUDA tests run
+    assert "tests/eplb_graph/test_runtime.py" not in partial["cuda_tests"].command
+    assert "tests/eplb_graph/test_graph_capture.py" in partial["cuda_tests"].command
+    assert partial["routing_op"].skip_why is None
+
+
+def test_the_summary_names_every_stage_with_its_figures():
+    gpu_bench = _load_script()
     rows = gpu_bench.summary_rows({
         "cuda_tests": {"status": "ok", "tail": "...\n12 passed in 30.1s\n"},
         "bench": {"status": "skipped", "why": "20 s of the budget left"},
@@ -31,5 +53,5 @@ def test_the_summary_names_every_stage_with_its_figures():
             "balancedness_without_eplb": 0.89, "balancedness_after": 0.96, "step_p50_ms": 2.5}},
     })
     assert rows[1].split() == ["cuda_tests", "ok", "12", "passed", "in", "30.1s"]
-    assert rows[2].split() == ["bench", "skipped"]
+    assert rows[2].split() == ["bench", "skipped", "20", "s", "of", "the", "budget", "left"]
     assert "rearrangements 110, recaptures 0" in rows[3] and "0.89 -> 0.96" in rows[3]
