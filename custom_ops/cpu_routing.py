@@ -15,6 +15,7 @@ import numba
 import numpy as np
 import torch
 
+from .layer_routing import RoutingTables
 from .routing import HASH_MASK, KNUTH_MULTIPLIER
 
 
@@ -79,7 +80,7 @@ class LayerMapAndRecord:
     def __init__(self) -> None:
         self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (fingerprint, views)
 
-    def table_views(self, layer) -> tuple[np.ndarray, ...]:
+    def table_views(self, layer: RoutingTables) -> tuple[np.ndarray, ...]:
         """(lookup, replica_count, load, record_enabled, num_unpadded_tokens) as numpy views."""
         tensors = layer.routing_tensors()
         fingerprint = [tensor.data_ptr() for tensor in tensors]
@@ -92,7 +93,7 @@ class LayerMapAndRecord:
             self._views[layer] = cached
         return cached[1]
 
-    def __call__(self, topk_ids: torch.Tensor, layer) -> torch.Tensor:
+    def __call__(self, topk_ids: torch.Tensor, layer: RoutingTables) -> torch.Tensor:
         lookup, replica_count, load, record_enabled, num_unpadded_tokens = self.table_views(layer)
         physical = torch.empty_like(topk_ids)  # [T, K]
         _map_and_record(

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from eplb_graph.models.reference import ReferenceMoEConfig
 from eplb_graph.run_report import balancedness
 from eplb_graph.workload import Batch, WorkloadSpec, make_batch
 
@@ -67,10 +68,8 @@ class RunConfig:
     def num_physical(self) -> int:
         return self.num_experts + (self.num_redundant if self.eplb else 0)
 
-    def model_config(self):
-        """The reference decoder's config (``eplb_graph.models.reference``), checked on construction."""
-        from eplb_graph.models.reference import ReferenceMoEConfig
-
+    def model_config(self) -> ReferenceMoEConfig:
+        """The reference decoder's config, checked on construction."""
         return ReferenceMoEConfig(
             vocab_size=self.vocab_size, hidden_size=self.hidden, num_layers=self.num_layers,
             num_experts=self.num_experts, top_k=self.top_k, expert_intermediate_size=self.expert_intermediate,
