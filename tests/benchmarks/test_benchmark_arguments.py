@@ -34,6 +34,8 @@ def test_stack_spec_refuses_what_cannot_run(spec, ranks, message):
         ("bench_movement.py", ["--redundant", "3"], "bench_movement: 19 physical experts do not divide over 2 ranks"),
         ("bench_routing_ops.py", ["--rounds", "0"], "bench_routing_ops: --rounds must be >= 1, got 0"),
         ("bench_routing_ops.py", ["--device", "tpu"], "bench_routing_ops: --device must be cpu or cuda, got 'tpu'"),
+        ("bench_injected_work.py", ["--work-us", "-1"], "bench_injected_work: --work-us must be >= 0, got -1.0"),
+        ("bench_injected_work.py", ["--steps", "5"], "bench_injected_work: --steps must be >= 20, got 5"),
     ],
 )
 def test_a_benchmark_stops_before_running(script, args, message, tmp_path):
