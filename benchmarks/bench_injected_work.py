@@ -14,7 +14,6 @@ EPLB-on cost that ``eplb-graph bench`` reports.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
