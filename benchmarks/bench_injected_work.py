@@ -55,9 +55,9 @@ def inject_after_routers(model, work_us: float) -> None:
 
 
 def rank_main(rank: int, world_size: int, init_method: str, cfg, work_us: float) -> dict:
+    from eplb_graph.bench import decode_batches, rotating_steps
     from eplb_graph.expert_parallel import shutdown_expert_parallel
     from eplb_graph.runner import build_rank_models, prepare_step, rank_device, rank_session, timed_step
-    from eplb_graph.workload import make_batch
 
     library = register_spin_op()  # held for the life of the registrations
     with rank_session(rank, world_size, init_method, cfg) as (group, _):
@@ -67,14 +67,12 @@ def rank_main(rank: int, world_size: int, init_method: str, cfg, work_us: float)
         inject_after_routers(injected, work_us)
         forwards = {"plain": prepare_step(plain, cfg, [], plain_flags, [])[0],
                     "injected": prepare_step(injected, cfg, [], injected_flags, [])[0]}
-        decode = [make_batch(cfg.workload(), step, rank).to(device) for step in range(1, 8)]  # steps 1..7: decode
+        decode = decode_batches(cfg, rank, device)
         for forward in forwards.values():  # compile and warm up
             for _ in range(10):
                 timed_step(forward, decode[0], device, None)
-        times: dict[str, list[float]] = {name: [] for name in forwards}
-        for step in range(cfg.steps):
-            for name in ("plain", "injected") if step % 2 else ("injected", "plain"):
-                times[name].append(timed_step(forwards[name], decode[step % len(decode)], device, None).seconds * 1e3)
+        timed = rotating_steps(forwards, {}, decode, cfg.steps, device)
+        times = {name: [t.seconds * 1e3 for t in steps] for name, steps in timed.items()}
     shutdown_expert_parallel()
     del library
     return times

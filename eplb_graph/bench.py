@@ -21,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +32,7 @@ from eplb_graph.run_report import percentile
 from eplb_graph.runner import (
     MODES,
     RunConfig,
+    TimedStep,
     build_rank_models,
     prepare_step,
     rank_device,
@@ -37,7 +40,10 @@ from eplb_graph.runner import (
     run_rank_and_shut_down,
     timed_step,
 )
-from eplb_graph.workload import make_batch
+from eplb_graph.workload import Batch, make_batch
+
+if TYPE_CHECKING:
+    from eplb_graph.controller import EplbController
 
 
 def bench_modes(requested: str, device: str) -> tuple[str, ...]:
@@ -68,6 +74,26 @@ BLOCK_STEPS = 10  # the bootstrap's block: consecutive paired steps drawn togeth
 MIN_BENCH_STEPS = 2 * BLOCK_STEPS
 
 
+def decode_batches(cfg: RunConfig, rank: int, device: torch.device) -> list[Batch]:
+    """This rank's decode batches of the workload (its steps 1..7), on the device."""
+    workload = cfg.workload()
+    return [make_batch(workload, step, rank).to(device) for step in range(1, 8)]
+
+
+def rotating_steps(forwards: dict[str, Callable], controllers: dict[str, EplbController | None],
+                   batches: list[Batch], steps: int, device: torch.device) -> dict[str, list[TimedStep]]:
+    """Every forward once per step on the same batch, the order rotating so each leads a step as
+    often as the others: side by side in one process, the machine's noise hits all alike."""
+    names = list(forwards)
+    timed: dict[str, list[TimedStep]] = {name: [] for name in names}
+    for step in range(steps):
+        batch = batches[step % len(batches)]
+        first = step % len(names)
+        for name in names[first:] + names[:first]:
+            timed[name].append(timed_step(forwards[name], batch, device, controllers.get(name)))
+    return timed
+
+
 def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> dict:
     """EPLB off and EPLB on (identity placement, never rearranging) in the same processes,
     decode steps rotating between the models, so all see the same machine. ``off_twin`` is
@@ -93,22 +119,14 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
             start = time.perf_counter()
             forwards[name], captured[name] = prepare_step(model, run_cfg, rank_layers, flags, [])
             compile_s[name] = time.perf_counter() - start
-        workload = cfg.workload()
-        decode = [make_batch(workload, step, rank).to(device) for step in range(1, 8)]  # steps 1..7 are decode
-        step_controller = {"off": None, "on_idle": controller, "off_twin": None}
+        decode = decode_batches(cfg, rank, device)
+        controllers = {"on_idle": controller}
         for name, forward in forwards.items():  # first call: compiles (graph mode captured already)
-            compile_s[name] += timed_step(forward, decode[0], device, step_controller[name]).seconds
+            compile_s[name] += timed_step(forward, decode[0], device, controllers.get(name)).seconds
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        times: dict[str, list[float]] = {name: [] for name in PAIRED_SETTINGS}
-        times["on_idle_eplb_host"] = []
-        for step in range(cfg.steps):
-            batch = decode[step % len(decode)]
-            first = step % len(PAIRED_SETTINGS)  # each setting leads a step as often as the others
-            for name in PAIRED_SETTINGS[first:] + PAIRED_SETTINGS[:first]:
-                timed = timed_step(forwards[name], batch, device, step_controller[name])
-                times[name].append(timed.seconds * 1e3)
-                if name == "on_idle":
-                    times["on_idle_eplb_host"].append(timed.eplb_host_s * 1e3)
+        timed = rotating_steps(forwards, controllers, decode, cfg.steps, device)
+        times = {name: [t.seconds * 1e3 for t in steps] for name, steps in timed.items()}
+        times["on_idle_eplb_host"] = [t.eplb_host_s * 1e3 for t in timed["on_idle"]]
         recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
         recaptures = {name: None if c is None else c.stats.recaptures for name, c in captured.items()}
         controller.close()

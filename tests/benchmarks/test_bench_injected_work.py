@@ -1,28 +1,16 @@
 """The injected-work yardstick: the op it inserts only waits, so the model computes the same."""
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 
 import torch
 
 from eplb_graph.runner import RunConfig, build_rank_models
 from eplb_graph.workload import make_batch
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_injected_work.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_injected_work", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_injected_work", module)
-    spec.loader.exec_module(sys.modules["bench_injected_work"])
-    return sys.modules["bench_injected_work"]
+from tests.benchmarks.scripts import load_benchmark
 
 
 def test_injected_work_waits_and_changes_nothing_else():
-    bench = _load_script()
+    bench = load_benchmark("bench_injected_work")
     library = bench.register_spin_op()
     try:
         cfg = RunConfig(ranks=1, eplb=False, mode="eager")

@@ -2,13 +2,11 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from eplb_graph.ep_runtime import StackSpec
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.benchmarks.scripts import BENCHMARKS
 
 
 @pytest.mark.parametrize(

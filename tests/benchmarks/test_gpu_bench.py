@@ -1,14 +1,14 @@
 """benchmarks/gpu_bench.py on a machine without CUDA: it says why it cannot run, before any stage."""
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_bench.py"
+from tests.benchmarks.scripts import BENCHMARKS, load_benchmark
+
+SCRIPT = BENCHMARKS / "gpu_bench.py"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the script would run")
@@ -19,16 +19,8 @@ def test_without_cuda_it_exits_2_naming_the_reason(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no stage started
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
-    gpu_bench = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gpu_bench", gpu_bench)  # dataclasses resolve their module by name
-    spec.loader.exec_module(sys.modules["gpu_bench"])
-    return sys.modules["gpu_bench"]
-
-
 def test_without_vllm_the_vllm_free_stages_still_run(tmp_path):
-    gpu_bench = _load_script()
+    gpu_bench = load_benchmark("gpu_bench")
     full = {stage.name: stage for stage in gpu_bench.plan(tmp_path, 2, None)}
     assert [name for name, stage in full.items() if stage.skip_why] == []
     assert "tests/eplb_graph/test_runtime.py" in full["cuda_tests"].command
@@ -44,7 +36,7 @@ def test_without_vllm_the_vllm_free_stages_still_run(tmp_path):
 
 
 def test_the_summary_names_every_stage_with_its_figures():
-    gpu_bench = _load_script()
+    gpu_bench = load_benchmark("gpu_bench")
     rows = gpu_bench.summary_rows({
         "cuda_tests": {"status": "ok", "tail": "...\n12 passed in 30.1s\n"},
         "bench": {"status": "skipped", "why": "20 s of the budget left"},
