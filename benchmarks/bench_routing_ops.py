@@ -21,6 +21,7 @@ import torch
 import eplb_graph
 from eplb_graph import BatchFlags, LayerLookup
 from eplb_graph.custom_ops.routing import map_and_record_composite
+from eplb_graph.layer_lookup import check_expert_layout
 
 TARGETS = {16: 1.5, 4096: 1.1}
 
@@ -74,12 +75,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     """Bad input stops here, with the flag's name, before anything is timed."""
     if min(args.tokens) < 0:
         raise SystemExit(f"bench_routing_ops: --tokens must be >= 0, got {min(args.tokens)}")
-    for flag, value, least in (("--rounds", args.rounds, 1), ("--num-logical", args.num_logical, 1),
-                               ("--num-redundant", args.num_redundant, 0)):
-        if value < least:
-            raise SystemExit(f"bench_routing_ops: {flag} must be >= {least}, got {value}")
-    if not 0 < args.top_k <= args.num_logical:
-        raise SystemExit(f"bench_routing_ops: --top-k must be in [1, {args.num_logical}], got {args.top_k}")
+    if args.rounds < 1:
+        raise SystemExit(f"bench_routing_ops: --rounds must be >= 1, got {args.rounds}")
+    try:
+        check_expert_layout(args.num_logical, args.num_redundant, args.top_k, ranks=1)
+    except ValueError as error:
+        raise SystemExit(f"bench_routing_ops: {error}") from None
     if args.device not in ("cpu", "cuda"):
         raise SystemExit(f"bench_routing_ops: --device must be cpu or cuda, got {args.device!r}")
     if args.device == "cuda" and not torch.cuda.is_available():

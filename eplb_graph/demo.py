@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from eplb_graph.layer_lookup import BatchFlags, LayerLookup
+from eplb_graph.layer_lookup import BatchFlags, LayerLookup, check_expert_layout
 from eplb_graph.run_report import balancedness
 
 
@@ -58,15 +58,11 @@ def run_demo(
 ) -> DemoReport:
     from vllm.distributed.eplb.policy.default import DefaultEplbPolicy
 
-    for name, value, least in (("experts", num_logical, 1), ("redundant experts", num_redundant, 0), ("ranks", ranks, 1),
-                               ("steps", steps, 1), ("tokens", tokens, 1)):
-        if value < least:
-            raise ValueError(f"{name} must be >= {least}, got {value}")
-    if not 0 < top_k <= num_logical:
-        raise ValueError(f"top_k must be in [1, {num_logical}], got {top_k}")
+    check_expert_layout(num_logical, num_redundant, top_k, ranks)
+    for name, value in (("steps", steps), ("tokens", tokens)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     num_physical = num_logical + num_redundant
-    if num_physical % ranks:
-        raise ValueError(f"{num_physical} physical experts do not divide over {ranks} ranks")
     layer = LayerLookup(num_logical, num_physical)
     batch = BatchFlags()
     gen = torch.Generator().manual_seed(seed)

@@ -14,7 +14,7 @@ import torch
 
 from eplb_graph.controller import EplbController, RankLayer
 from eplb_graph.expert_parallel import ExpertParallelMoE, LinearTopKRouter, reference_moe
-from eplb_graph.layer_lookup import BatchFlags, LayerLookup, initial_placement
+from eplb_graph.layer_lookup import BatchFlags, LayerLookup, check_expert_layout, initial_placement
 from eplb_graph.upstream_compat import EplbWorkerError
 from eplb_graph.weight_views import ExpertWeights, check_weight_view, expert_format
 
@@ -38,17 +38,10 @@ class StackSpec:
     def validate(self, ep_size: int) -> None:
         """Every check that can fail, before a rank process (or any state) exists."""
         expert_format(self.weight_format)
-        for name in ("num_layers", "num_logical", "hidden", "intermediate", "tokens_per_rank"):
+        for name in ("num_layers", "hidden", "intermediate", "tokens_per_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_redundant < 0:
-            raise ValueError(f"num_redundant must be >= 0, got {self.num_redundant}")
-        if not 0 < self.top_k <= self.num_logical:
-            raise ValueError(f"top_k must be in [1, {self.num_logical}], got {self.top_k}")
-        if ep_size < 1:
-            raise ValueError(f"ranks must be >= 1, got {ep_size}")
-        if self.num_physical % ep_size:
-            raise ValueError(f"{self.num_physical} physical experts do not divide over {ep_size} ranks")
+        check_expert_layout(self.num_logical, self.num_redundant, self.top_k, ep_size)
 
 
 def logical_weights(spec: StackSpec) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from eplb_graph.layer_lookup import check_expert_layout
 from eplb_graph.models.reference import ReferenceMoEConfig
 from eplb_graph.run_report import balancedness
 from eplb_graph.workload import Batch, WorkloadSpec, make_batch
@@ -102,19 +103,10 @@ class RunConfig:
                 )
         if self.device == "npu":
             raise ValueError("device 'npu': the NPU runtime needs torch_npu and an ACL graph runner, not available here")
-        if self.ranks < 1:
-            raise ValueError(f"ranks must be >= 1, got {self.ranks}")
-        if self.num_experts < 1:
-            raise ValueError(f"experts must be >= 1, got {self.num_experts}")
-        if self.num_redundant < 0:
-            raise ValueError(f"redundant experts must be >= 0, got {self.num_redundant}")
+        check_expert_layout(self.num_experts, self.num_physical - self.num_experts, self.top_k, self.ranks)
         for name in ("step_interval", "window_size"):  # upstream's EPLBConfig would refuse them inside each rank
             if getattr(self, name) < 1:
                 raise ValueError(f"EPLB {name} must be >= 1 step, got {getattr(self, name)}")
-        if self.num_physical % self.ranks:
-            raise ValueError(f"{self.num_physical} physical experts do not divide over {self.ranks} ranks")
-        if not 0 < self.top_k <= self.num_experts:
-            raise ValueError(f"top_k must be in [1, {self.num_experts}], got {self.top_k}")
         expert_format(self.weight_format)
         self.workload().validate()
         if self.steps < 1:

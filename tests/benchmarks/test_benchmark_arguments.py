@@ -14,8 +14,8 @@ from tests.benchmarks.scripts import BENCHMARKS
     [
         (StackSpec(num_logical=16, num_redundant=3), 2, "19 physical experts do not divide over 2 ranks"),
         (StackSpec(), 0, "ranks must be >= 1, got 0"),
-        (StackSpec(num_redundant=-1), 1, "num_redundant must be >= 0, got -1"),
-        (StackSpec(num_logical=0), 1, "num_logical must be >= 1, got 0"),
+        (StackSpec(num_redundant=-1), 1, "redundant experts must be >= 0, got -1"),
+        (StackSpec(num_logical=0), 1, "experts must be >= 1, got 0"),
         (StackSpec(top_k=9), 1, "top_k must be in [1, 8], got 9"),
         (StackSpec(weight_format="gptq"), 1, "quantization format 'gptq' is not supported"),
     ],
