@@ -176,14 +176,19 @@ def _entry(mode: str, eplb: str, steps: list[float], cfg: RunConfig, *, compile_
     }
 
 
-def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int, *, timeout_s: float = 900) -> dict:
-    """``base.step_interval``: how often the on_rearranging run rearranges (on_idle never does)."""
-    if steps < MIN_BENCH_STEPS:  # before any process starts
+def median_ratio(numerator: list[float], denominator: list[float]) -> float:
+    return round(statistics.median(numerator) / statistics.median(denominator), 3)
+
+
+def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900) -> dict:
+    """``base.steps`` per run and setting; ``base.step_interval``: how often the on_rearranging
+    run rearranges (on_idle never does)."""
+    if base.steps < MIN_BENCH_STEPS:  # before any process starts
         raise ValueError(f"bench needs --steps >= {MIN_BENCH_STEPS} (p99 and the 95 % intervals need at least two "
-                         f"{BLOCK_STEPS}-step blocks per rank), got {steps}")
+                         f"{BLOCK_STEPS}-step blocks per rank), got {base.steps}")
     results, ratios = [], {}
     for mode in modes:
-        common = dict(mode=mode, steps=steps, check_outputs=False, progress=False, collect_load_stats=False)
+        common = dict(mode=mode, check_outputs=False, progress=False, collect_load_stats=False)
         paired = run_ranks(idle_vs_off_rank, base.ranks, dataclasses.replace(base, **common), timeout_s=timeout_s)
         busy_cfg = dataclasses.replace(base, eplb=True, **common)
         busy = run_ranks(run_rank_and_shut_down, base.ranks, busy_cfg, timeout_s=timeout_s)
@@ -208,11 +213,11 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int, *, timeout_s:
         results.extend(entries)
         idle_host = [ms for r in paired for ms in r["times"]["on_idle_eplb_host"]]
         ratios[mode] = {
-            "on_idle_over_off": round(entries[1]["p50_ms"] / entries[0]["p50_ms"], 3),
+            "on_idle_over_off": median_ratio(idle_steps, off_steps),
             # off, on_idle and off_twin rotate step by step in the same processes: paired intervals
             "on_idle_over_off_ci95": [round(x, 3) for x in paired_ratio_interval(idle_steps, off_steps)],
             # the A/A yardstick: two identical EPLB-off models, what the harness reads when nothing differs
-            "off_twin_over_off": round(statistics.median(twin_steps) / statistics.median(off_steps), 3),
+            "off_twin_over_off": median_ratio(twin_steps, off_steps),
             "off_twin_over_off_ci95": [round(x, 3) for x in paired_ratio_interval(twin_steps, off_steps)],
             "on_idle_eplb_host_p50_ms": round(statistics.median(idle_host), 3),  # begin_batch + end_batch
             "rearranging_p99_over_steady_p50": round(percentile(rearranging, 99) / statistics.median(steady), 3)
@@ -230,7 +235,7 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], steps: int, *, timeout_s:
     return {
         "device": base.device,
         "ranks": base.ranks,
-        "steps_per_run": steps,
+        "steps_per_run": base.steps,
         "decode_tokens_per_rank": base.decode_tokens,
         "note": "on CPU the graph mode is the compiled mode (no capture exists on the host)" if base.device == "cpu"
         else "graph: the compiled forward captured as one device graph per capture size",

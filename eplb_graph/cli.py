@@ -125,7 +125,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     modes = bench_modes(args.mode, args.device)
     config = _run_config(args, mode=modes[0])
-    report = run_bench(config, modes, args.steps, timeout_s=args.timeout)
+    report = run_bench(config, modes, timeout_s=args.timeout)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))

@@ -169,15 +169,16 @@ def test_bench_runs_the_mode_asked_for(monkeypatch, capsys, tmp_path):
 
     asked = []
 
-    def fake_run_bench(config, modes, steps, *, timeout_s):  # what reaches the bench is the subject
-        asked.append((config.mode, modes, config.step_interval, timeout_s))
+    def fake_run_bench(config, modes, *, timeout_s):  # what reaches the bench is the subject
+        asked.append((config.mode, modes, config.steps, config.step_interval, timeout_s))
         return {"device": config.device, "ranks": config.ranks, "results": [], "ratios": {}}
 
     monkeypatch.setattr(bench, "run_bench", fake_run_bench)
     monkeypatch.setattr(bench, "write_chart", lambda out, report: out / "bench.png")
-    assert main(["bench", "--mode", "compiled", "--out", str(tmp_path), "--interval", "7", "--timeout", "60"]) == 0
+    assert main(["bench", "--mode", "compiled", "--out", str(tmp_path), "--interval", "7", "--timeout", "60",
+                 "--steps", "30"]) == 0
     assert main(["bench", "--out", str(tmp_path)]) == 0
-    assert asked == [("compiled", ("compiled",), 7, 60), ("eager", ("eager", "compiled"), 10, 900)]
+    assert asked == [("compiled", ("compiled",), 30, 7, 60), ("eager", ("eager", "compiled"), 120, 10, 900)]
 
 
 @pytest.mark.parametrize(
@@ -188,7 +189,7 @@ def test_bench_runs_the_mode_asked_for(monkeypatch, capsys, tmp_path):
         (["--steps", "5"], "bench needs --steps >= 20"),
     ],
 )
-def test_bench_refuses_a_mode_the_device_lacks(args, message, capsys, tmp_path):
+def test_bench_refuses_bad_arguments_before_launching(args, message, capsys, tmp_path):
     assert main(["bench", "--out", str(tmp_path), *args]) == 2
     assert message in capsys.readouterr().err
 
