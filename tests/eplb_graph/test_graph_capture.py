@@ -65,6 +65,15 @@ def move_experts_in_place(model, reference, layers, placement: torch.Tensor) -> 
         layer.tables.refresh_(placement)
 
 
+def reset_loads(layers) -> None:
+    for layer in layers:
+        layer.tables.reset_load_()
+
+
+def loads(layers) -> torch.Tensor:
+    return torch.stack([layer.tables.load.cpu() for layer in layers])  # [L, P]
+
+
 @pytest.mark.parametrize("device,graph", GRAPHS)
 def test_replays_follow_in_place_moves_without_recapture(device, graph):
     with one_rank_model(device) as (cfg, model, reference, layers, flags):
@@ -98,15 +107,6 @@ def test_replays_follow_in_place_moves_without_recapture(device, graph):
         assert loads(layers).equal(eager_load)  # the replay routed by the refreshed lookup
         assert not eager_load.equal(load_before_move)  # ... which differs from the captured one
         assert forward.stats.recaptures == 0 and forward.stats.replays == 3
-
-
-def reset_loads(layers) -> None:
-    for layer in layers:
-        layer.tables.reset_load_()
-
-
-def loads(layers) -> torch.Tensor:
-    return torch.stack([layer.tables.load.cpu() for layer in layers])  # [L, P]
 
 
 @pytest.mark.parametrize("device,graph", GRAPHS)
