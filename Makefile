@@ -7,9 +7,10 @@ OUT ?= out
 
 .PHONY: run test bench venv clean
 
-$(STAMP): requirements/cpu.txt requirements/dev.txt pyproject.toml
+$(STAMP): requirements/cpu.txt requirements/dev.txt requirements/triton-interpreter.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --no-deps -r requirements/cpu.txt -r requirements/dev.txt
+	$(VENV)/bin/pip install -q --no-deps --upgrade --target $(VENV)/triton-interpreter -r requirements/triton-interpreter.txt
 	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	$(VENV)/bin/python -c "import torch, vllm, eplb_graph; print('torch', torch.__version__, '| vllm', vllm.__version__)"
 	touch $(STAMP)

@@ -3,30 +3,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eplb_graph import BatchFlags, build_lookup, validate_placement
+from eplb_graph import BatchFlags, build_lookup
 from eplb_graph.custom_ops.routing import map_and_record_composite
+from tests.custom_ops.routing_cases import flags, random_tables
 from tests.markers import requires_cuda
 from tests.routing_reference import map_to_physical_reference, record_load_reference
 
 ops = torch.ops.eplb_graph
-
-
-def random_tables(num_logical: int, num_redundant: int, seed: int):
-    """A random valid placement and its tables: every expert once, extra slots random."""
-    gen = torch.Generator().manual_seed(seed)
-    extra = torch.randint(0, num_logical, (num_redundant,), generator=gen)
-    placement = torch.cat([torch.arange(num_logical), extra])[torch.randperm(num_logical + num_redundant, generator=gen)]
-    max_replicas = num_redundant + 1
-    placement = validate_placement(placement, num_logical, num_logical + num_redundant, max_replicas)
-    lookup, replica_count = build_lookup(placement, num_logical, max_replicas)
-    return placement, lookup, replica_count
-
-
-def flags(record: bool, num_unpadded: int, shape=()):
-    return (
-        torch.full(shape, record, dtype=torch.bool),
-        torch.full(shape, num_unpadded, dtype=torch.int32),
-    )
 
 
 SHAPES = [(0, 1), (1, 1), (1, 8), (7, 8), (33, 1), (1000, 8)]
