@@ -1,5 +1,5 @@
 # Two commands for a newcomer: `make run` and `make test`. Both build .venv on first use
-# from the pinned CPU stack in requirements/ (about 90 s and 2.5 GB).
+# from the pinned CPU stack in requirements/ (about 90 s and 3.2 GB).
 PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
