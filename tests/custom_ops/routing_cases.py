@@ -1,8 +1,13 @@
-"""Random valid routing tables and batch flags, shared by the routing-op tests."""
+"""Shared by the routing-op tests: random valid tables, batch flags, and the check that a
+layer kernel follows its layer's live tables."""
+
+from collections.abc import Callable
 
 import torch
 
-from eplb_graph import build_lookup, validate_placement
+from eplb_graph import BatchFlags, build_lookup, validate_placement
+from eplb_graph.custom_ops.routing import map_and_record_composite
+from eplb_graph.layer_lookup import LayerLookup, RoutedLayer
 
 
 def random_tables(num_logical: int, num_redundant: int, seed: int):
@@ -21,3 +26,42 @@ def flags(record: bool, num_unpadded: int, shape=()):
         torch.full(shape, record, dtype=torch.bool),
         torch.full(shape, num_unpadded, dtype=torch.int32),
     )
+
+
+def check_layer_kernel_follows_its_tables(map_and_record_layer: Callable[[torch.Tensor, str], torch.Tensor],
+                                          key: str) -> None:
+    """``map_and_record_layer(ids, key)`` (the registered op, or a device's layer kernel) reads
+    the named layer's live tables at every call, as a replayed graph must: an in-place refresh,
+    the record flag, the padding count and a rebound load buffer all take effect at the next call."""
+    tables, batch = LayerLookup(4, 6), BatchFlags()
+    layer = RoutedLayer(key, tables, batch)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0]])  # [T, K]
+
+    def expected(load):
+        return map_and_record_composite(ids, tables.lookup, tables.replica_count, load, batch.record_enabled,
+                                        batch.num_unpadded_tokens)
+
+    try:
+        batch.set_(record=True, num_unpadded_tokens=2)
+        first = map_and_record_layer(ids, key)
+        assert torch.equal(first, expected(torch.zeros(6, dtype=tables.load.dtype)))
+        assert torch.equal(first, ids)  # initial placement: expert e in slot e
+        first_load = tables.load.clone()
+        assert first_load.tolist() == [1, 1, 1, 1, 0, 0]  # two unpadded rows counted
+
+        tables.refresh_(torch.tensor([3, 2, 1, 0, 3, 3]))  # in place: expert 3 now has three replicas
+        batch.set_(record=False, num_unpadded_tokens=3)
+        after = map_and_record_layer(ids, key)
+        assert torch.equal(after, expected(torch.zeros(6, dtype=tables.load.dtype)))
+        assert after[0].tolist() == [3, 2]
+        assert torch.equal(tables.load, first_load)  # recording off: nothing counted
+
+        rebound = torch.zeros(6, dtype=tables.load.dtype)
+        tables.bind_load_(rebound)
+        batch.set_(record=True, num_unpadded_tokens=3)
+        physical = map_and_record_layer(ids, key)
+        reference_load = torch.zeros(6, dtype=tables.load.dtype)
+        assert torch.equal(physical, expected(reference_load))
+        assert torch.equal(rebound, reference_load) and int(rebound.sum()) == 6  # the new buffer counts
+    finally:
+        layer.close()

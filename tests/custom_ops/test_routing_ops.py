@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from eplb_graph import BatchFlags, build_lookup
 from eplb_graph.custom_ops.routing import map_and_record_composite
-from tests.custom_ops.routing_cases import flags, random_tables
+from tests.custom_ops.routing_cases import check_layer_kernel_follows_its_tables, flags, random_tables
 from tests.markers import requires_cuda
 from tests.routing_reference import map_to_physical_reference, record_load_reference
 
@@ -193,33 +193,4 @@ def test_cuda_kernel_matches_the_cpu_kernel(num_tokens, id_dtype):
 
 
 def test_the_layer_op_follows_refreshes_flags_and_a_rebound_load_buffer():
-    from eplb_graph.layer_lookup import LayerLookup, RoutedLayer
-
-    tables, batch = LayerLookup(4, 6), BatchFlags()
-    layer = RoutedLayer("follow.0", tables, batch)
-    ids = torch.tensor([[0, 1], [2, 3], [1, 0]])  # [T, K]
-
-    def expected(load):
-        return map_and_record_composite(ids, tables.lookup, tables.replica_count, load, batch.record_enabled,
-                                        batch.num_unpadded_tokens)
-
-    try:
-        batch.set_(record=True, num_unpadded_tokens=2)
-        assert torch.equal(ops.map_and_record_layer(ids, "follow.0"), expected(torch.zeros(6, dtype=tables.load.dtype)))
-        first_load = tables.load.clone()
-        assert int(first_load.sum()) == 4
-
-        tables.refresh_(torch.tensor([3, 2, 1, 0, 3, 3]))  # in place: expert 3 now has three replicas
-        batch.set_(record=False, num_unpadded_tokens=3)
-        assert torch.equal(ops.map_and_record_layer(ids, "follow.0"), expected(torch.zeros(6, dtype=tables.load.dtype)))
-        assert torch.equal(tables.load, first_load)  # recording off: nothing counted
-
-        rebound = torch.zeros(6, dtype=tables.load.dtype)
-        tables.bind_load_(rebound)
-        batch.set_(record=True, num_unpadded_tokens=3)
-        physical = ops.map_and_record_layer(ids, "follow.0")
-        reference_load = torch.zeros(6, dtype=tables.load.dtype)
-        assert torch.equal(physical, expected(reference_load))
-        assert torch.equal(rebound, reference_load) and int(rebound.sum()) == 6  # the new buffer counts
-    finally:
-        layer.close()
+    check_layer_kernel_follows_its_tables(ops.map_and_record_layer, "follow.0")

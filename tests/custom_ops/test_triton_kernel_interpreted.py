@@ -17,7 +17,6 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CASES = Path(__file__).with_name("triton_interpreted_cases.py")
 TRITON_INTERPRETER_PATH = Path(sys.prefix) / "triton-interpreter"
-EXPECTED_CASES = 5
 
 
 def test_triton_kernel_under_the_interpreter_matches_the_reference():
@@ -31,5 +30,5 @@ def test_triton_kernel_under_the_interpreter_matches_the_reference():
     )
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) == EXPECTED_CASES and "skipped" not in summary, summary
+    # every case collected ran and passed: a skip (no Triton, no interpreter) is a failure here
+    assert re.fullmatch(r"\d+ passed.*", summary) and not re.search(r"skipped|deselected|xfail", summary), summary

@@ -22,8 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb_graph.custom_ops import layer_routing, routing
-from eplb_graph.layer_lookup import BatchFlags, LayerLookup, RoutedLayer
-from tests.custom_ops.routing_cases import flags, random_tables
+from tests.custom_ops.routing_cases import check_layer_kernel_follows_its_tables, flags, random_tables
 from tests.routing_reference import map_to_physical_reference, record_load_reference
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -110,20 +109,6 @@ def test_non_contiguous_ids_and_empty_batches():
     assert out.shape == (0, 4) and int(load.sum()) == 0
 
 
-def test_the_layer_kernel_follows_in_place_refreshes_and_flags():
+def test_the_layer_kernel_follows_refreshes_flags_and_a_rebound_load_buffer():
     """The CUDA layer kernel reads the live tables at every call, as a replayed graph does."""
-    tables, batch = LayerLookup(4, 6), BatchFlags()
-    layer = RoutedLayer("interpreted.layer0", tables, batch)
-    ids = torch.tensor([[0, 1], [2, 3], [0, 0]])  # [T=3, K=2]
-
-    batch.set_(record=True, num_unpadded_tokens=2)
-    before = map_and_record_layer_cuda(ids, layer.key)
-    tables.refresh_(torch.tensor([3, 2, 1, 0, 3, 3]))  # expert 3 now has slots 0, 4, 5
-    batch.set_(record=False, num_unpadded_tokens=3)
-    after = map_and_record_layer_cuda(ids, layer.key)
-
-    assert before.tolist() == [[0, 1], [2, 3], [0, 0]]  # initial placement: slot e for expert e
-    assert after.tolist() == map_to_physical_reference(ids.tolist(), tables.lookup.tolist(), tables.replica_count.tolist())
-    assert after[0].tolist() == [3, 2]
-    assert tables.load.tolist() == [1, 1, 1, 1, 0, 0]  # only the first call recorded, only 2 rows
-    layer.close()
+    check_layer_kernel_follows_its_tables(map_and_record_layer_cuda, "interpreted.layer0")
