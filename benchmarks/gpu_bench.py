@@ -103,27 +103,26 @@ class Stages:
         self.deadline = time.monotonic() + budget_s
         self.report: dict[str, dict] = {}
 
-    def run(self, name: str, command: list[str], timeout_s: float, json_file: Path | None = None,
-            skip_why: str | None = None) -> dict:
+    def run(self, stage: Stage) -> dict:
         left = self.deadline - time.monotonic()
-        if skip_why is not None:
-            entry = {"status": "skipped", "why": skip_why}
+        if stage.skip_why is not None:
+            entry = {"status": "skipped", "why": stage.skip_why}
         elif left < 30:
             entry = {"status": "skipped", "why": f"{left:.0f} s of the budget left"}
         else:
             start = time.monotonic()
             try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=min(timeout_s, left))
+                done = subprocess.run(stage.command, capture_output=True, text=True, timeout=min(stage.timeout_s, left))
                 entry = {"status": "ok" if done.returncode == 0 else f"exit {done.returncode}",
                          "tail": (done.stdout + done.stderr)[-3000:]}
             except subprocess.TimeoutExpired:
-                entry = {"status": f"timeout after {min(timeout_s, left):.0f} s"}
+                entry = {"status": f"timeout after {min(stage.timeout_s, left):.0f} s"}
             entry["seconds"] = round(time.monotonic() - start, 1)
-            if json_file is not None and json_file.exists():
-                entry["json"] = json.loads(json_file.read_text())
-        entry["command"] = " ".join(command)
-        self.report[name] = entry
-        print(f"[{name}] {entry['status']} ({entry.get('seconds', 0)} s)", flush=True)
+            if stage.json_file is not None and stage.json_file.exists():
+                entry["json"] = json.loads(stage.json_file.read_text())
+        entry["command"] = " ".join(stage.command)
+        self.report[stage.name] = entry
+        print(f"[{stage.name}] {entry['status']} ({entry.get('seconds', 0)} s)", flush=True)
         return entry
 
 
@@ -168,7 +167,7 @@ def main() -> int:
     stages = Stages(args.budget_s)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     for stage in plan(args.out, ranks, without_vllm):
-        stages.run(stage.name, stage.command, stage.timeout_s, stage.json_file, stage.skip_why)
+        stages.run(stage)
 
     report = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
               "ranks": ranks, "vllm": without_vllm or "importable", "stages": stages.report}

@@ -47,3 +47,19 @@ def test_the_summary_names_every_stage_with_its_figures():
     assert rows[1].split() == ["cuda_tests", "ok", "12", "passed", "in", "30.1s"]
     assert rows[2].split() == ["bench", "skipped", "20", "s", "of", "the", "budget", "left"]
     assert "rearrangements 110, recaptures 0" in rows[3] and "0.89 -> 0.96" in rows[3]
+
+
+def test_a_stage_runs_reads_its_json_and_a_skipped_stage_never_runs(tmp_path):
+    gpu_bench = load_benchmark("gpu_bench")
+    stages = gpu_bench.Stages(budget_s=120)
+    report_file = tmp_path / "stage.json"
+    write = f"import json; json.dump({{'ok': 1}}, open({str(report_file)!r}, 'w')); print('done')"
+    ran = stages.run(gpu_bench.Stage("writes", [sys.executable, "-c", write], 60, report_file))
+    assert ran["status"] == "ok" and ran["json"] == {"ok": 1} and "done" in ran["tail"]
+    never = tmp_path / "never.json"
+    skipped = stages.run(gpu_bench.Stage("needs_vllm", [sys.executable, "-c", f"open({str(never)!r}, 'w')"], 60,
+                                         never, skip_why="needs vLLM"))
+    assert skipped["status"] == "skipped" and skipped["why"] == "needs vLLM" and not never.exists()
+    failed = stages.run(gpu_bench.Stage("fails", [sys.executable, "-c", "raise SystemExit(3)"], 60))
+    assert failed["status"] == "exit 3"
+    assert list(stages.report) == ["writes", "needs_vllm", "fails"]
