@@ -11,6 +11,7 @@ from eplb_graph.layer_lookup import (
     RoutedLayer,
     build_lookup,
     initial_placement,
+    logical_maps,
     validate_placement,
 )
 from eplb_graph.passes.verify import verify
@@ -28,6 +29,7 @@ __all__ = [
     "custom_ops",
     "enable",
     "initial_placement",
+    "logical_maps",
     "validate_placement",
     "verify",
 ]

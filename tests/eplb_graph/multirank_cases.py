@@ -21,6 +21,12 @@ def _setup(rank, world_size, init_method, **spec_overrides):
     return spec, set_current_vllm_config(config)
 
 
+def _slots_of(placement, num_logical, width):
+    """The inverse of a placement, slot by slot: each logical expert's slots, ascending, -1 padded."""
+    rows = [[slot for slot, expert in enumerate(placement.tolist()) if expert == logical] for logical in range(num_logical)]
+    return [row + [-1] * (width - len(row)) for row in rows]
+
+
 def live_rebalancing(rank, world_size, init_method, weight_format, steps, load_phase):
     from eplb_graph.ep_runtime import build_rank_stack, skewed_batch
 
@@ -39,9 +45,15 @@ def live_rebalancing(rank, world_size, init_method, weight_format, steps, load_p
             placements.append(controller.placements())
             if not stack.local_weights_match_placement():
                 mismatched_steps.append(step)
-            # the lookup routes by exactly upstream's committed placement
-            for layer, committed in zip(stack.rank_layers, controller.placements()):
+            # the lookup routes by exactly upstream's committed placement, and upstream's own
+            # inverse maps (derived by the adapter's logical_maps in its place) agree with it
+            for index, (layer, committed) in enumerate(zip(stack.rank_layers, controller.placements())):
                 assert torch.equal(layer.tables.physical_to_logical, committed)
+                slots = controller.model_state.logical_to_physical_map[index]  # [N, upstream's width]
+                assert slots.tolist() == _slots_of(committed, slots.shape[0], slots.shape[1])
+                assert controller.model_state.logical_replica_count[index].tolist() == [
+                    int((committed == expert).sum()) for expert in range(slots.shape[0])
+                ]
         return {
             "max_abs_diff": max(stack.max_abs_diff),
             "stats": vars(controller.stats),
@@ -51,6 +63,7 @@ def live_rebalancing(rank, world_size, init_method, weight_format, steps, load_p
             "recorded": recorded,
             "upstream_step": controller.state.expert_rearrangement_step,
             "rejected": controller.compat.health.rejected_placements,
+            "patches": controller.compat.installed,
         }
 
 

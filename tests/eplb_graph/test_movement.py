@@ -30,6 +30,7 @@ def test_async_rearrangement_commits_layers_between_forwards(weight_format, rank
         assert result["distinct_placements"] >= 2
         assert result["bytes_received"] > 0  # experts really crossed ranks
         assert result["rejected"] == []
+        assert "eplb_state.compute_logical_maps" in result["patches"]  # commits ran logical_maps
         # phase "decode": a prefill batch never records, whatever its rank's neighbours do
         assert all(not record for is_prefill, record in result["recorded"] if is_prefill)
         assert any(record for is_prefill, record in result["recorded"] if not is_prefill)
