@@ -109,7 +109,9 @@ def validate_layer_placements(placements: torch.Tensor, tables: list[LayerLookup
         validate_placement(placement, layer.num_logical_experts, layer.num_physical_experts, layer.max_replicas)
 
 
-def logical_maps(physical_to_logical: torch.Tensor, num_logical_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def logical_maps(
+    physical_to_logical: torch.Tensor, num_logical_experts: int, *, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverts placements: the physical slots of each logical expert, vectorized.
 
     The contract of upstream vLLM's ``eplb_state.compute_logical_maps`` (which loops over the
@@ -120,10 +122,12 @@ def logical_maps(physical_to_logical: torch.Tensor, num_logical_experts: int) ->
         physical_to_logical: [num_physical] or [num_layers, num_physical] integer CPU tensor;
             -1 marks an empty slot (elastic scale-up) and is skipped.
         num_logical_experts: N.
+        width: pad each expert's row to this many slots (ValueError if one has more
+            replicas); None, as upstream: to the largest replica count present.
 
     Returns (same dtype as the input, the layer dim only if the input had one):
-        logical_to_physical: [num_layers, N, max_replicas] slots of each expert in ascending
-            order, -1 padded; max_replicas is the largest replica count present.
+        logical_to_physical: [num_layers, N, width] slots of each expert in ascending order,
+            -1 padded.
         replica_count: [num_layers, N].
     """
     if physical_to_logical.device.type != "cpu":
@@ -140,23 +144,26 @@ def logical_maps(physical_to_logical: torch.Tensor, num_logical_experts: int) ->
         raise ValueError(f"placement holds logical id {int(ids.max())}, outside [-1, {num_logical_experts})")
     num_layers, num_physical = ids.shape
     # Empty slots get the key N, so a stable sort groups each layer's slots by logical id,
-    # ascending slot order within a group, and puts empty slots last (group N).
+    # ascending slot order within a group, and puts empty slots last (group N, written like
+    # the others -- every index stays in range, no mask -- and dropped at the end).
     keys = np.where(ids >= 0, ids, num_logical_experts).astype(np.int64)  # [L, P]
     slots = np.argsort(keys, axis=1, kind="stable")  # [L, P]
-    sorted_keys = np.take_along_axis(keys, slots, axis=1)  # [L, P]
+    sorted_keys = np.sort(keys, axis=1)  # [L, P], the keys in that order
     group_width = num_logical_experts + 1
-    layer_base = np.arange(num_layers)[:, None] * group_width  # [L, 1]
-    counts = np.bincount((keys + layer_base).ravel(), minlength=num_layers * group_width)
+    layer_of = np.arange(num_layers)[:, None]  # [L, 1]
+    counts = np.bincount((keys + layer_of * group_width).ravel(), minlength=num_layers * group_width)
     counts = counts.reshape(num_layers, group_width)  # [L, N + 1]
     group_start = np.cumsum(counts, axis=1) - counts  # [L, N + 1]
-    rank_in_group = np.arange(num_physical) - np.take_along_axis(group_start, sorted_keys, axis=1)  # [L, P]
+    rank_in_group = np.arange(num_physical) - group_start[layer_of, sorted_keys]  # [L, P]
     replica_count = counts[:, :num_logical_experts]  # [L, N]
     max_replicas = int(replica_count.max()) if replica_count.size else 0
-    placed = sorted_keys < num_logical_experts  # [L, P]
-    layer_of = np.broadcast_to(np.arange(num_layers)[:, None], (num_layers, num_physical))  # [L, P]
-    logical_to_physical = np.full((num_layers, num_logical_experts, max_replicas), -1, dtype=ids.dtype)
-    logical_to_physical[layer_of[placed], sorted_keys[placed], rank_in_group[placed]] = slots[placed]
-    logical_to_physical = torch.from_numpy(logical_to_physical)  # [L, N, max_replicas]
+    if width is None:
+        width = max_replicas
+    elif max_replicas > width:
+        raise ValueError(f"a logical expert has {max_replicas} replicas, more than width={width}")
+    grouped = np.full((num_layers, group_width, max(width, int(counts.max()))), -1, dtype=ids.dtype)
+    grouped[layer_of, sorted_keys, rank_in_group] = slots
+    logical_to_physical = torch.from_numpy(np.ascontiguousarray(grouped[:, :num_logical_experts, :width]))
     replica_count = torch.from_numpy(replica_count.astype(ids.dtype))  # [L, N], the input's dtype
     if per_layer:
         return logical_to_physical.squeeze(0), replica_count.squeeze(0)
@@ -173,10 +180,8 @@ def build_lookup(
             in ascending order (upstream's order), -1 padded.
         replica_count: [num_logical] int32.
     """
-    slots, counts = logical_maps(placement, num_logical_experts)  # [N, most replicas present], [N]
-    lookup = torch.full((num_logical_experts, max_replicas), -1, dtype=torch.int32)
-    lookup[:, : slots.shape[1]] = slots
-    return lookup, counts.to(torch.int32)
+    lookup, counts = logical_maps(placement.to(torch.int32), num_logical_experts, width=max_replicas)
+    return lookup, counts
 
 
 class BatchFlags:

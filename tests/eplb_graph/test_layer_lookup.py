@@ -37,6 +37,10 @@ def test_logical_maps_inverts_placements_skipping_empty_slots():
     assert counts.tolist() == [[2, 1, 0, 2], [0, 0, 0, 0]]
     one_slots, one_counts = logical_maps(placements[0].long(), 4)  # one layer: no layer dim
     assert one_slots.tolist() == slots[0].tolist() and one_counts.tolist() == counts[0].tolist()
+    padded, _ = logical_maps(placements[0], 4, width=3)  # a fixed-width table, as LayerLookup keeps
+    assert padded.tolist() == [[1, 4, -1], [2, -1, -1], [-1, -1, -1], [0, 5, -1]]
+    with pytest.raises(ValueError, match="2 replicas, more than width=1"):
+        logical_maps(placements[0], 4, width=1)
 
 
 @pytest.mark.parametrize(
