@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_routing_ops.py --out $(OUT)/bench_routing_ops.json
 	$(VENV)/bin/python benchmarks/bench_movement.py --out $(OUT)/bench_movement.json
 	$(VENV)/bin/python benchmarks/bench_commit.py --out $(OUT)/bench_commit.json
+	$(VENV)/bin/python benchmarks/bench_policy_stall.py --out $(OUT)/bench_policy_stall.json
 	$(VENV)/bin/eplb-graph bench --out $(OUT)/bench
 	$(VENV)/bin/python benchmarks/bench_injected_work.py --out $(OUT)/bench_injected_work.json
 

@@ -59,7 +59,7 @@ def _run_config(args: argparse.Namespace, **overrides):
         num_experts=args.experts, num_redundant=args.redundant, top_k=args.top_k, num_layers=args.layers,
         seed=args.seed, step_interval=args.interval, window_size=args.interval, hidden=args.hidden,
         expert_intermediate=args.intermediate, shared_expert_intermediate=args.intermediate,
-        decode_tokens=args.decode_tokens,
+        decode_tokens=args.decode_tokens, policy_process=args.policy_process,
     )
     fields.update(overrides)
     config = RunConfig(**fields)
@@ -159,6 +159,8 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode:
     parser.add_argument("--interval", type=int, default=interval,
                         help="EPLB step interval (= load window), in steps; bench: of its on_rearranging run")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a silent rank is declared dead")
+    parser.add_argument("--policy-process", action="store_true",
+                        help="run upstream's rebalancing policy in a helper process per rank, off the serving GIL")
     parser.add_argument("--out", default="out")
     parser.add_argument("--json", action="store_true")
 

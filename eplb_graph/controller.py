@@ -94,8 +94,13 @@ class EplbController:
         transfer_timeout_s: float = 60.0,
         device: torch.device | str = "cpu",
         model_name: str = "moe",
+        policy_process: bool = False,
     ) -> None:
-        """Window size and step interval are upstream's: the current vLLM config's ``eplb_config``."""
+        """Window size and step interval are upstream's: the current vLLM config's ``eplb_config``.
+
+        ``policy_process``: upstream's policy runs in a helper process (``PolicyProcess``)
+        instead of on the worker thread, whose Python would otherwise hold this process's GIL
+        for the policy's whole run (seconds to start it, once)."""
         check_load_phase(load_phase)
         from vllm.config import get_current_vllm_config
         from vllm.distributed.eplb.eplb_state import EplbState
@@ -128,7 +133,13 @@ class EplbController:
         self.model_key = ModelKey(model_name)
         self.model_view = UpstreamModelView(layers, num_logical, num_physical, self.ep_size)
         self.state = EplbState(parallel_config, torch.device(device))
-        self.state.add_model(self.model_view, self.model_key)
+        self.state.add_model(self.model_view, self.model_key)  # also picks upstream's policy
+        self.policy_process = None
+        if policy_process:
+            from eplb_graph.policy_process import PolicyProcess
+
+            self.policy_process = PolicyProcess(self.state.policy, timeout_s=transfer_timeout_s)
+            self.state.policy = self.policy_process  # what upstream's worker calls; same signature
         self.communicator = GlooStagedCommunicator(get_eplb_group().cpu_group, timeout_s=transfer_timeout_s)
         self.state.update_communicator(self.model_key, self.communicator)
         self.model_state = next(iter(self.state.model_states.values()))
@@ -203,6 +214,8 @@ class EplbController:
         them from under a running gloo operation."""
         self.check_worker()
         self.state.drain_async()
+        if self.policy_process is not None:
+            self.policy_process.close()
         self.compat.uninstall()
         for layer in self.layers:
             layer.close()

@@ -137,7 +137,8 @@ def build_ep_layer(
 
 
 def build_rank_stack(
-    spec: StackSpec, rank: int, ep_size: int, *, load_phase: str = "all", transfer_timeout_s: float = 30.0
+    spec: StackSpec, rank: int, ep_size: int, *, load_phase: str = "all", transfer_timeout_s: float = 30.0,
+    policy_process: bool = False,
 ) -> RankStack:
     """The stack under a controller; window and interval come from the current vLLM config."""
     from vllm.distributed.parallel_state import get_ep_group
@@ -155,5 +156,7 @@ def build_rank_stack(
         layers.append(layer)
         rank_layers.append(rank_layer)
         references.append((router, logical_experts))
-    controller = EplbController(rank_layers, load_phase=load_phase, transfer_timeout_s=transfer_timeout_s)
+    controller = EplbController(
+        rank_layers, load_phase=load_phase, transfer_timeout_s=transfer_timeout_s, policy_process=policy_process
+    )
     return RankStack(spec, rank, ep_size, layers, rank_layers, references, controller, flags)

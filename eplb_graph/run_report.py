@@ -60,6 +60,7 @@ def summarize(cfg, results: list[dict]) -> dict:
         "mode": cfg.mode,
         "device": cfg.device,
         "ranks": cfg.ranks,
+        "policy_process": cfg.policy_process,
         "steps": cfg.steps,
         "weight_format": cfg.weight_format,
         "eplb": cfg.eplb,

@@ -64,6 +64,7 @@ class RunConfig:
     backend: str = "inductor"
     progress: bool = False  # rank 0 shows a progress bar and one line per window
     collect_load_stats: bool = True  # all-reduce the load each step for balancedness (off in bench)
+    policy_process: bool = False  # upstream's policy in a helper process per rank (off the GIL)
 
     @property
     def num_physical(self) -> int:
@@ -315,7 +316,8 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
         device = rank_device(cfg)
         controller = None
         if cfg.eplb:
-            controller = EplbController(rank_layers, device=device)  # binds the load buffers: before capture
+            # binds the load buffers: before capture
+            controller = EplbController(rank_layers, device=device, policy_process=cfg.policy_process)
         records = []
         forward, captured = prepare_step(model, cfg, rank_layers, flags, records)
         if captured is not None:

@@ -35,6 +35,8 @@ def test_stack_spec_refuses_what_cannot_run(spec, ranks, message):
         ("bench_commit.py", ["--rounds", "0"], "bench_commit: --rounds must be >= 1, got 0"),
         ("bench_commit.py", ["--shapes", "16x4"], "bench_commit: --shapes takes LOGICAL+REDUNDANT, got '16x4'"),
         ("bench_commit.py", ["--shapes", "0+4"], "bench_commit: --shapes 0+4: experts must be >= 1, got 0"),
+        ("bench_policy_stall.py", ["--steps", "0"], "bench_policy_stall: --steps must be >= 1, got 0"),
+        ("bench_policy_stall.py", ["--shapes", "llama"], "bench_policy_stall: --shapes: unknown ['llama']"),
         ("bench_injected_work.py", ["--work-us", "-1"], "bench_injected_work: --work-us must be >= 0, got -1.0"),
         ("bench_injected_work.py", ["--steps", "5"], "bench_injected_work: --steps must be >= 20, got 5"),
     ],

@@ -27,12 +27,12 @@ def _slots_of(placement, num_logical, width):
     return [row + [-1] * (width - len(row)) for row in rows]
 
 
-def live_rebalancing(rank, world_size, init_method, weight_format, steps, load_phase):
+def live_rebalancing(rank, world_size, init_method, weight_format, steps, load_phase, policy_process=False):
     from eplb_graph.ep_runtime import build_rank_stack, skewed_batch
 
     spec, context = _setup(rank, world_size, init_method, weight_format=weight_format)
     with context:
-        stack = build_rank_stack(spec, rank, world_size, load_phase=load_phase)
+        stack = build_rank_stack(spec, rank, world_size, load_phase=load_phase, policy_process=policy_process)
         controller = stack.controller
         placements, recorded, mismatched_steps = [], [], []
         for step in range(steps):
@@ -64,6 +64,9 @@ def live_rebalancing(rank, world_size, init_method, weight_format, steps, load_p
             "upstream_step": controller.state.expert_rearrangement_step,
             "rejected": controller.compat.health.rejected_placements,
             "patches": controller.compat.installed,
+            "policy": type(controller.state.policy).__name__,
+            "policy_pid": getattr(controller.state.policy, "pid", None),
+            "pid": os.getpid(),
         }
 
 

@@ -37,6 +37,17 @@ def test_async_rearrangement_commits_layers_between_forwards(weight_format, rank
     assert len({r["upstream_step"] for r in results}) == 1  # every rank stepped the same state machine
 
 
+def test_rebalancing_with_the_policy_in_a_helper_process():
+    results = run_ranks(multirank_cases.live_rebalancing, 2, "unquantized", 34, "all", True, timeout_s=240)
+    for rank, result in enumerate(results):
+        assert result["policy"] == "PolicyProcess"
+        assert result["policy_pid"] not in (None, result["pid"])  # each rank's own helper
+        assert result["max_abs_diff"] == 0.0 and result["mismatched_steps"] == [], rank
+        assert result["stats"]["rearrangements_finished"] >= 2, result["stats"]
+        assert result["distinct_placements"] >= 2 and result["rejected"] == []
+    assert results[0]["policy_pid"] != results[1]["policy_pid"]
+
+
 def test_upstream_rearrange_with_gloo_staged_communicator_matches_direct_layout():
     results = run_ranks(multirank_cases.upstream_rearrange_with_our_communicator, 2, timeout_s=120)
     assert all(r["equal"] for r in results)

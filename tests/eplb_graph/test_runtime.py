@@ -48,6 +48,13 @@ def test_quantized_format_runs_under_compile(capsys, tmp_path):
     assert code == 0 and report["weight_format"] == "w4a8" and report["output_mismatches"] == 0
 
 
+def test_run_with_the_policy_in_helper_processes(capsys, tmp_path):
+    code, report = _run(capsys, tmp_path, "--mode", "eager", "--steps", "30", "--interval", "10", "--policy-process")
+    assert code == 0, report["failed_invariants"]
+    assert report["policy_process"] is True
+    assert report["rearrangements"] >= 2 and report["output_mismatches"] == 0
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
