@@ -61,6 +61,8 @@ class PolicyProcess:
     def __init__(self, policy: type, *, timeout_s: float = 60.0, start_timeout_s: float = 120.0) -> None:
         if not callable(getattr(policy, "rebalance_experts", None)):
             raise TypeError(f"{policy!r} has no rebalance_experts; expected an upstream EPLB policy class")
+        if not (timeout_s > 0 and start_timeout_s > 0):
+            raise ValueError(f"timeouts must be > 0 seconds, got timeout_s={timeout_s}, start_timeout_s={start_timeout_s}")
         self.policy = policy
         self.timeout_s = timeout_s
         self._lock = threading.Lock()  # one request in flight: the pipe carries no request ids
@@ -116,18 +118,22 @@ class PolicyProcess:
                 code = self._process.wait(timeout=5)
                 raise PolicyProcessError(f"policy helper (pid {self.pid}) exited with code {code} during {request[0]!r}") from None
         if status != "ok":
-            raise PolicyProcessError(f"{self.policy.__name__}.rebalance_experts failed in the policy helper:\n{value}")
+            what = "rebalance_experts" if request[0] == "rebalance" else "loading"
+            raise PolicyProcessError(f"{self.policy.__name__} {what} failed in the policy helper:\n{value}")
         return value
 
     def close(self) -> None:
-        """Ends the helper (it exits when its stdin closes); idempotent."""
-        if self._process.poll() is None:
-            try:
-                self._process.stdin.close()
-                self._process.wait(timeout=5)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self._process.kill()
-                self._process.wait()
+        """Ends the helper (it exits when its stdin closes) and closes its pipes; idempotent."""
+        try:
+            self._process.stdin.close()
+        except BrokenPipeError:  # it is gone already
+            pass
+        try:
+            self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._process.stdout.close()
 
 
 def _rebalance(policy: type, weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int,

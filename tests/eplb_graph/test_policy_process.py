@@ -43,7 +43,7 @@ def test_placements_equal_upstream_default_policy_in_process():
 def test_a_failing_policy_raises_with_its_traceback_and_the_helper_serves_on():
     helper = PolicyProcess(FailingPolicy)
     try:
-        with pytest.raises(PolicyProcessError, match=r"FailingPolicy.rebalance_experts failed(.|\n)*cannot place 5"):
+        with pytest.raises(PolicyProcessError, match=r"FailingPolicy rebalance_experts failed(.|\n)*cannot place 5"):
             helper.rebalance_experts(torch.zeros(1, 2), 5, 1, 1, 1)
         with pytest.raises(PolicyProcessError, match="cannot place 7"):
             helper.rebalance_experts(torch.zeros(1, 2), 7, 1, 1, 1)
@@ -78,3 +78,5 @@ def test_a_killed_helper_is_an_error_naming_it():
 def test_something_that_is_not_a_policy_is_refused_before_a_process_starts():
     with pytest.raises(TypeError, match="has no rebalance_experts"):
         PolicyProcess(object)
+    with pytest.raises(ValueError, match="timeouts must be > 0 seconds, got timeout_s=0"):
+        PolicyProcess(PidPolicy, timeout_s=0)
