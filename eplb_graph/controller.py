@@ -130,21 +130,27 @@ class EplbController:
         self.compat = UpstreamCapabilityAdapter(
             torch.device(device), commit_hook=self._after_commit, placement_check=self._check_placements
         ).install()
-        self.model_key = ModelKey(model_name)
-        self.model_view = UpstreamModelView(layers, num_logical, num_physical, self.ep_size)
-        self.state = EplbState(parallel_config, torch.device(device))
-        self.state.add_model(self.model_view, self.model_key)  # also picks upstream's policy
         self.policy_process = None
-        if policy_process:
-            from eplb_graph.policy_process import PolicyProcess
+        try:  # a failure below leaves no patch installed and no helper running
+            self.model_key = ModelKey(model_name)
+            self.model_view = UpstreamModelView(layers, num_logical, num_physical, self.ep_size)
+            self.state = EplbState(parallel_config, torch.device(device))
+            self.state.add_model(self.model_view, self.model_key)  # also picks upstream's policy
+            if policy_process:
+                from eplb_graph.policy_process import PolicyProcess
 
-            self.policy_process = PolicyProcess(self.state.policy, timeout_s=transfer_timeout_s)
-            self.state.policy = self.policy_process  # what upstream's worker calls; same signature
-        self.communicator = GlooStagedCommunicator(get_eplb_group().cpu_group, timeout_s=transfer_timeout_s)
-        self.state.update_communicator(self.model_key, self.communicator)
-        self.model_state = next(iter(self.state.model_states.values()))
-        self._was_rebalancing = False
-        self.state.start_async_loop()
+                self.policy_process = PolicyProcess(self.state.policy, timeout_s=transfer_timeout_s)
+                self.state.policy = self.policy_process  # what upstream's worker calls; same signature
+            self.communicator = GlooStagedCommunicator(get_eplb_group().cpu_group, timeout_s=transfer_timeout_s)
+            self.state.update_communicator(self.model_key, self.communicator)
+            self.model_state = next(iter(self.state.model_states.values()))
+            self._was_rebalancing = False
+            self.state.start_async_loop()
+        except BaseException:
+            if self.policy_process is not None:
+                self.policy_process.close()
+            self.compat.uninstall()
+            raise
 
     # -- upstream hooks ---------------------------------------------------------------
 

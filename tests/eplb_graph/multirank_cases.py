@@ -207,3 +207,30 @@ def close_mid_rearrangement(rank, world_size, init_method):
                 for layer, committed in zip(stack.rank_layers, controller.placements())
             ),
         }
+
+
+def failed_controller_leaves_upstream_unpatched(rank, world_size, init_method):
+    """The policy helper fails to start: the controller raises and takes its patches back."""
+    from vllm.distributed.eplb import async_worker, eplb_state
+
+    from eplb_graph import policy_process
+    from eplb_graph.ep_runtime import build_rank_stack
+
+    def refuse(*args, **kwargs):
+        raise policy_process.PolicyProcessError("helper refused to start")
+
+    originals = {name: getattr(eplb_state, name) for name in ("compute_logical_maps", "CpuGpuEvent", "start_async_worker")}
+    spec, context = _setup(rank, world_size, init_method)
+    with context:
+        policy_process.PolicyProcess = refuse
+        try:
+            build_rank_stack(spec, rank, world_size, policy_process=True)
+        except policy_process.PolicyProcessError as error:
+            message = str(error)
+        else:
+            message = None
+    return {
+        "message": message,
+        "restored": all(getattr(eplb_state, name) is original for name, original in originals.items()),
+        "worker_event_restored": async_worker.CpuGpuEvent.__module__.startswith("vllm."),
+    }

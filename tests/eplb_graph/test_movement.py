@@ -48,6 +48,12 @@ def test_rebalancing_with_the_policy_in_a_helper_process():
     assert results[0]["policy_pid"] != results[1]["policy_pid"]
 
 
+def test_a_controller_that_fails_to_start_takes_its_patches_back():
+    result, = run_ranks(multirank_cases.failed_controller_leaves_upstream_unpatched, 1, timeout_s=120)
+    assert result["message"] == "helper refused to start"
+    assert result["restored"] and result["worker_event_restored"]
+
+
 def test_upstream_rearrange_with_gloo_staged_communicator_matches_direct_layout():
     results = run_ranks(multirank_cases.upstream_rearrange_with_our_communicator, 2, timeout_s=120)
     assert all(r["equal"] for r in results)
