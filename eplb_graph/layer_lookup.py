@@ -180,8 +180,7 @@ def build_lookup(
             in ascending order (upstream's order), -1 padded.
         replica_count: [num_logical] int32.
     """
-    lookup, counts = logical_maps(placement.to(torch.int32), num_logical_experts, width=max_replicas)
-    return lookup, counts
+    return logical_maps(placement.to(torch.int32), num_logical_experts, width=max_replicas)
 
 
 class BatchFlags:
