@@ -78,7 +78,7 @@ def _run(args: argparse.Namespace) -> int:
     from eplb_graph.run_report import failed_invariants, summarize, write_plots
     from eplb_graph.runner import run_rank, run_rank_and_shut_down
 
-    config = _run_config(args, progress=not args.json)
+    config = _run_config(args, progress=not args.json, tolerance=args.tolerance)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         import torch.distributed as dist
 
@@ -108,7 +108,8 @@ def _run(args: argparse.Namespace) -> int:
             f"{report['steps']} steps, {report['ranks']} ranks, mode {report['mode']}: balancedness without EPLB "
             f"{report['balancedness_without_eplb']}, before first rebalance {report['balancedness_before']}, after "
             f"{report['balancedness_after']}; {report['rearrangements']} rearrangements, {report['layers_committed']} "
-            f"layer commits; output mismatches {report['output_mismatches']} (max |diff| {report['max_abs_diff']:.2e}); "
+            f"layer commits; output mismatches {report['output_mismatches']} (max |diff| {report['max_abs_diff']:.2e}, "
+            f"tolerance {report['tolerance']:.0e}); "
             f"recompiles {report['recompiles']}, recaptures {'n/a (no capture on this device)' if report['recaptures'] is None else report['recaptures']}; step p50 {report['step_p50_ms']} ms"
         )
         for path in [out / "report.json", *plots]:
@@ -190,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="the main job: multi-rank MoE runtime with live EPLB")
     _add_runtime_arguments(run, steps=300)
+    run.add_argument("--tolerance", type=float, default=None,
+                     help="rtol = atol of the per-step output check (default: the format's, 1e-5 unquantized, "
+                          "1e-3 quantized)")
     run.set_defaults(func=_run)
 
     bench = commands.add_parser("bench", help="step latency: eager vs compiled, EPLB off / on-idle / rearranging")

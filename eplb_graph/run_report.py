@@ -72,7 +72,7 @@ def summarize(cfg, results: list[dict]) -> dict:
         "layers_committed": min(r["layers_committed"] for r in results),
         "output_mismatches": sum(r["output_mismatches"] for r in results),
         "max_abs_diff": max(r["max_abs_diff"] for r in results),
-        "tolerance": cfg.tolerance,
+        "tolerance": cfg.output_tolerance,
         "recompiles": max(r["recompiles"] for r in results),
         "recaptures": None if any(r["recaptures"] is None for r in results) else max(r["recaptures"] for r in results),
         "verifier_ok": all(r["verifier_ok"] for r in results),

@@ -60,11 +60,17 @@ class RunConfig:
     hot_probability: float = 0.95
     seed: int = 0
     check_outputs: bool = True
-    tolerance: float = 1e-5
+    tolerance: float | None = None  # rtol = atol of the output check; None: the format's own
     backend: str = "inductor"
     progress: bool = False  # rank 0 shows a progress bar and one line per window
     collect_load_stats: bool = True  # all-reduce the load each step for balancedness (off in bench)
     policy_process: bool = False  # upstream's policy in a helper process per rank (off the GIL)
+
+    @property
+    def output_tolerance(self) -> float:
+        from eplb_graph.weight_views import expert_format
+
+        return self.tolerance if self.tolerance is not None else expert_format(self.weight_format).output_tolerance
 
     @property
     def num_physical(self) -> int:
@@ -112,6 +118,8 @@ class RunConfig:
         self.workload().validate()
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.tolerance is not None and not self.tolerance > 0:
+            raise ValueError(f"tolerance must be > 0, got {self.tolerance}")
         for name in ("hidden", "expert_intermediate", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -324,6 +332,7 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
             result.compile_or_capture_s += captured.stats.capture_s
 
         workload = cfg.workload()
+        tolerance = cfg.output_tolerance
         progress = None
         if cfg.progress and rank == 0:
             from tqdm import tqdm
@@ -378,7 +387,7 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
                 real = slice(0, batch.num_tokens)
                 diff = float((out[:, real] - expected[:, real]).abs().max())
                 result.max_abs_diff = max(result.max_abs_diff, diff)
-                if not torch.allclose(out[:, real], expected[:, real], rtol=cfg.tolerance, atol=cfg.tolerance):
+                if not torch.allclose(out[:, real], expected[:, real], rtol=tolerance, atol=tolerance):
                     result.output_mismatches += 1
 
         if graphs_after_warmup is not None:

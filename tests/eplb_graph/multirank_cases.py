@@ -181,6 +181,17 @@ def run_rank_then_die(rank, world_size, init_method, cfg, die_rank, die_step):
     return runner.run_rank(rank, world_size, init_method, cfg)
 
 
+def run_rank_losing_weight_moves(rank, world_size, init_method, cfg):
+    """The runtime's rank body with upstream's buffer-to-weights copy dropped: every layer
+    commit publishes a placement whose weights never arrived (a lost weight move)."""
+    import vllm.distributed.eplb.eplb_state as eplb_state
+
+    from eplb_graph import runner
+
+    eplb_state.move_from_buffer = lambda *args, **kwargs: None
+    return runner.run_rank(rank, world_size, init_method, cfg)
+
+
 def close_mid_rearrangement(rank, world_size, init_method):
     """Steps until a rearrangement is under way, then closes the controller at once."""
     from eplb_graph.ep_runtime import build_rank_stack, skewed_batch

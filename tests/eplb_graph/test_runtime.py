@@ -8,7 +8,9 @@ import torch
 
 from eplb_graph.cli import main
 from eplb_graph.launch import RankFailure, run_ranks
+from eplb_graph.run_report import failed_invariants, summarize
 from eplb_graph.runner import RunConfig
+from eplb_graph.weight_views import expert_format
 from eplb_graph.workload import WorkloadSpec, capture_size_for, make_batch
 from tests.eplb_graph import multirank_cases
 from tests.markers import requires_cuda
@@ -30,6 +32,7 @@ def test_run_rebalances_live_with_outputs_checked_every_step(mode, capsys, tmp_p
         assert key in report
     assert report["mode"] == mode and report["ranks"] == 2 and report["steps"] == 70
     assert report["output_mismatches"] == 0 and report["max_abs_diff"] <= report["tolerance"]
+    assert report["tolerance"] == 1e-5  # unquantized float32: only the summation order differs
     assert report["rearrangements"] >= 5
     # 2 layers per rearrangement; the last one may still be in flight when the run ends
     assert 2 * report["rearrangements"] <= report["layers_committed"] <= 2 * report["rearrangements_started"]
@@ -46,6 +49,19 @@ def test_run_rebalances_live_with_outputs_checked_every_step(mode, capsys, tmp_p
 def test_quantized_format_runs_under_compile(capsys, tmp_path):
     code, report = _run(capsys, tmp_path, "--mode", "compiled", "--format", "w4a8", "--steps", "30", "--interval", "10")
     assert code == 0 and report["weight_format"] == "w4a8" and report["output_mismatches"] == 0
+    assert report["tolerance"] == 1e-3  # the format's own: quantization turns reordered sums into rounding flips
+
+
+@pytest.mark.parametrize("weight_format", ["unquantized", "w4a8"])
+def test_the_output_check_catches_a_lost_weight_move(weight_format):
+    """The per-step check against the no-EPLB model fails a run whose commits publish
+    placements without their weights, also within a quantized format's looser tolerance."""
+    cfg = RunConfig(mode="eager", steps=30, step_interval=10, window_size=10, weight_format=weight_format)
+    results = run_ranks(multirank_cases.run_rank_losing_weight_moves, 2, cfg, timeout_s=300)
+    report = summarize(cfg, results)
+    assert report["layers_committed"] >= 2 and report["tolerance"] == expert_format(weight_format).output_tolerance
+    assert report["output_mismatches"] > 0 and report["max_abs_diff"] > 10 * report["tolerance"]
+    assert any("differs from the no-EPLB reference" in problem for problem in failed_invariants(report))
 
 
 def test_run_with_the_policy_in_helper_processes(capsys, tmp_path):
@@ -68,6 +84,7 @@ def test_run_with_the_policy_in_helper_processes(capsys, tmp_path):
         (["--experts", "0"], "experts must be >= 1, got 0"),
         (["--hidden", "6"], "hidden_size 6 is not divisible by num_heads 4"),
         (["--timeout", "0"], "--timeout must be > 0 seconds, got 0.0"),
+        (["--tolerance", "0"], "tolerance must be > 0, got 0.0"),
     ],
 )
 def test_bad_input_fails_before_any_process_starts(args, message, capsys, tmp_path):
