@@ -144,7 +144,6 @@ class EplbController:
             self.communicator = GlooStagedCommunicator(get_eplb_group().cpu_group, timeout_s=transfer_timeout_s)
             self.state.update_communicator(self.model_key, self.communicator)
             self.model_state = next(iter(self.state.model_states.values()))
-            self._was_rebalancing = False
             self.state.start_async_loop()
         except BaseException:
             if self.policy_process is not None:
@@ -163,6 +162,11 @@ class EplbController:
         for index in indices:
             self.layers[index].tables.refresh_(committed[index])
             self.stats.layers_committed += 1
+        # upstream commits layers in order and ends a rearrangement with its last layer (or
+        # all at once); counted here, not from the flag between steps, because one step()
+        # can finish a rearrangement and start the next
+        if layer_index is None or layer_index == len(self.layers) - 1:
+            self.stats.rearrangements_finished += 1
 
     # -- per batch ----------------------------------------------------------------------
 
@@ -177,12 +181,11 @@ class EplbController:
         """After a forward: every rank steps upstream (window, rearrangement, layer commits)."""
         self.check_worker()
         self.state.step()
-        rebalancing = self.model_state.rebalanced
-        if rebalancing and not self._was_rebalancing:
-            self.stats.rearrangements_started += 1
-        if self._was_rebalancing and not rebalancing:
-            self.stats.rearrangements_finished += 1
-        self._was_rebalancing = rebalancing
+        # at most one rearrangement is in flight: every one started has finished, is in
+        # flight now, or was stopped early (a drain), which max() keeps counted
+        in_flight = int(bool(self.model_state.rebalanced))
+        self.stats.rearrangements_started = max(self.stats.rearrangements_started,
+                                                self.stats.rearrangements_finished + in_flight)
 
     @property
     def rebalancing(self) -> bool:
