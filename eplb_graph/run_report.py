@@ -90,8 +90,9 @@ def summarize(cfg, results: list[dict]) -> dict:
         split = finished[0] + 1 if finished else executed.shape[0]
         before = windowed_balancedness(executed[:split], min(window, split))
         after = windowed_balancedness(executed[split:], window) if split < executed.shape[0] else []
-        report["balancedness_without_eplb"] = round(statistics.mean(
-            windowed_balancedness(without_eplb_rank_load(logical, cfg.ranks), window) or [float("nan")]), 4)
+        # a run shorter than one window is measured over its length, like `before`
+        without = windowed_balancedness(without_eplb_rank_load(logical, cfg.ranks), min(window, logical.shape[0]))
+        report["balancedness_without_eplb"] = round(statistics.mean(without), 4)
         report["balancedness_before"] = round(statistics.mean(before), 4) if before else None
         report["balancedness_after"] = round(statistics.mean(after), 4) if after else None
         report["balancedness_window_steps"] = window

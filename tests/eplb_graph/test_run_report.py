@@ -1,11 +1,16 @@
+import json
+from dataclasses import asdict
+
 import torch
 
 from eplb_graph.run_report import (
     failed_invariants,
+    summarize,
     trailing_balancedness,
     windowed_balancedness,
     without_eplb_rank_load,
 )
+from eplb_graph.runner import RankResult, RunConfig
 
 
 def test_windowed_balancedness_is_mean_over_max_of_summed_rank_load():
@@ -31,3 +36,18 @@ def test_failed_invariants_name_each_problem():
     assert any("mapped 1 of 2 routers" in p for p in problems)
     clean = dict(report, output_mismatches=0, recompiles=0, verifier_ok=True, routers_mapped=2)
     assert failed_invariants(clean) == []
+
+
+def test_a_run_shorter_than_one_window_reports_json_numbers():
+    """3 steps against a 20-step window and no rearrangement finished: every balancedness is a
+    number or null, never NaN (which strict JSON readers refuse)."""
+    cfg = RunConfig(ranks=2, steps=3)
+    rank_load = [[[5, 3], [4, 4]]] * 3  # [steps][layers][ranks]
+    logical_load = [[[2] * 16, [1] * 16]] * 3  # [steps][layers][experts]
+    results = [asdict(RankResult(rank, step_ms=[1.0, 1.0], kinds=["decode"] * 2, rebalancing=[False] * 2,
+                                 rank_load=rank_load, logical_load=logical_load, tokens=48))
+               for rank in range(2)]
+    report = summarize(cfg, results)
+    assert report["balancedness_without_eplb"] == 1.0  # 16 experts spread evenly over 2 ranks
+    assert report["balancedness_before"] == round((4 / 5 + 1.0) / 2, 4) and report["balancedness_after"] is None
+    json.dumps(report, allow_nan=False)
