@@ -69,6 +69,10 @@ def _run_config(args: argparse.Namespace, **overrides):
     return config
 
 
+def _or_na(value, missing: str = "n/a") -> str:
+    return missing if value is None else str(value)
+
+
 def _run(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
@@ -106,8 +110,9 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(
             f"{report['steps']} steps, {report['ranks']} ranks, mode {report['mode']}: balancedness without EPLB "
-            f"{report['balancedness_without_eplb']}, before first rebalance {report['balancedness_before']}, after "
-            f"{report['balancedness_after']}; {report['rearrangements']} rearrangements, {report['layers_committed']} "
+            f"{_or_na(report['balancedness_without_eplb'])}, before first rebalance {_or_na(report['balancedness_before'])}, "
+            f"after {_or_na(report['balancedness_after'], 'n/a (no rearrangement finished)')}; "
+            f"{report['rearrangements']} rearrangements, {report['layers_committed']} "
             f"layer commits; output mismatches {report['output_mismatches']} (max |diff| {report['max_abs_diff']:.2e}, "
             f"tolerance {report['tolerance']:.0e}); "
             f"recompiles {report['recompiles']}, recaptures {'n/a (no capture on this device)' if report['recaptures'] is None else report['recaptures']}; step p50 {report['step_p50_ms']} ms"
