@@ -37,10 +37,11 @@ class StackSpec:
 
     def validate(self, ep_size: int) -> None:
         """Every check that can fail, before a rank process (or any state) exists."""
-        expert_format(self.weight_format)
+        fmt = expert_format(self.weight_format)
         for name in ("num_layers", "hidden", "intermediate", "tokens_per_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        fmt.check_dims(self.hidden, self.intermediate)
         check_expert_layout(self.num_logical, self.num_redundant, self.top_k, ep_size)
 
 

@@ -114,7 +114,7 @@ class RunConfig:
         for name in ("step_interval", "window_size"):  # upstream's EPLBConfig would refuse them inside each rank
             if getattr(self, name) < 1:
                 raise ValueError(f"EPLB {name} must be >= 1 step, got {getattr(self, name)}")
-        expert_format(self.weight_format)
+        expert_format(self.weight_format).check_dims(self.hidden, self.expert_intermediate)
         self.workload().validate()
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")

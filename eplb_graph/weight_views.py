@@ -53,6 +53,10 @@ class ExpertWeights(nn.Module):
     def from_float(cls, w13: torch.Tensor, w2: torch.Tensor, **kwargs) -> ExpertWeights:
         raise NotImplementedError
 
+    @classmethod
+    def check_dims(cls, hidden: int, intermediate: int) -> None:
+        """Refuses expert widths this format cannot store (before any weight or process exists)."""
+
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
@@ -159,10 +163,19 @@ class W4A8Experts(ExpertWeights):
         for name, tensor in zip(self.view_names, tensors):
             self.register_buffer(name, tensor.contiguous())
 
+    @classmethod
+    def check_dims(cls, hidden: int, intermediate: int) -> None:
+        for name, size in (("hidden", hidden), ("intermediate", intermediate)):  # w13's and w2's input dims
+            cls._check_input_dim(size, name)
+
     @staticmethod
-    def _quantize(w):  # w [E, O, I] -> packed [E, O, I/2], scale [E, O], scale_bias [E, O]
-        if w.shape[-1] % 2:
-            raise ValueError(f"w4a8 packs two int4 per byte along the input dim; got odd size {w.shape[-1]}")
+    def _check_input_dim(size: int, name: str = "input") -> None:
+        if size % 2:
+            raise ValueError(f"w4a8 packs two int4 per byte along the input dim; got odd {name} size {size}")
+
+    @classmethod
+    def _quantize(cls, w):  # w [E, O, I] -> packed [E, O, I/2], scale [E, O], scale_bias [E, O]
+        cls._check_input_dim(w.shape[-1])
         mean = w.mean(dim=-1)  # [E, O]
         q, scale = _quantize_per_channel(w - mean.unsqueeze(-1), 7)
         return pack_int4(q), scale, mean.float()

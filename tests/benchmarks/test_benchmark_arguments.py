@@ -18,6 +18,7 @@ from tests.benchmarks.scripts import BENCHMARKS
         (StackSpec(num_logical=0), 1, "experts must be >= 1, got 0"),
         (StackSpec(top_k=9), 1, "top_k must be in [1, 8], got 9"),
         (StackSpec(weight_format="gptq"), 1, "quantization format 'gptq' is not supported"),
+        (StackSpec(weight_format="w4a8", intermediate=15), 1, "odd intermediate size 15"),
     ],
 )
 def test_stack_spec_refuses_what_cannot_run(spec, ranks, message):

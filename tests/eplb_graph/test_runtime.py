@@ -96,6 +96,8 @@ def test_run_with_the_policy_in_helper_processes(capsys, tmp_path):
         (["--hidden", "6"], "hidden_size 6 is not divisible by num_heads 4"),
         (["--timeout", "0"], "--timeout must be > 0 seconds, got 0.0"),
         (["--tolerance", "0"], "tolerance must be > 0, got 0.0"),
+        (["--format", "w4a8", "--intermediate", "33"], "w4a8 packs two int4 per byte along the input dim; got odd "
+                                                       "intermediate size 33"),
     ],
 )
 def test_bad_input_fails_before_any_process_starts(args, message, capsys, tmp_path):
