@@ -220,9 +220,13 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
             "off_twin_over_off": median_ratio(twin_steps, off_steps),
             "off_twin_over_off_ci95": [round(x, 3) for x in paired_ratio_interval(twin_steps, off_steps)],
             "on_idle_eplb_host_p50_ms": round(statistics.median(idle_host), 3),  # begin_batch + end_batch
+            # null where the run had none of either: no rearrangement (--interval past --steps), or
+            # no steady step (rearrangements back to back: --interval within a rearrangement's length)
             "rearranging_p99_over_steady_p50": round(percentile(rearranging, 99) / statistics.median(steady), 3)
-            if rearranging else None,
-            "steady_p50_ms": round(statistics.median(steady), 3),
+            if rearranging and steady else None,
+            "rearranging_decode_steps": len(rearranging),
+            "steady_decode_steps": len(steady),
+            "steady_p50_ms": round(statistics.median(steady), 3) if steady else None,
             "rearranging_eplb_host_p50_ms": round(statistics.median(rearranging_host), 3) if rearranging_host else None,
             "rearranging_eplb_host_p99_ms": round(percentile(rearranging_host, 99), 3) if rearranging_host else None,
         }

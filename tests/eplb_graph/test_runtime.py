@@ -198,7 +198,17 @@ def test_bench_reports_every_mode_and_setting(capsys, tmp_path):
         # upstream's main-thread EPLB work (rearrange, commits) is part of a rearranging step, never more
         assert 0 < ratios["rearranging_eplb_host_p50_ms"] <= ratios["rearranging_eplb_host_p99_ms"] <= rearranging["p99_ms"]
         assert rearranging["recaptures"] is None  # nothing is captured on the host
+        assert ratios["rearranging_decode_steps"] > 0 and ratios["steady_decode_steps"] > 0
     assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.png").exists()
+
+
+def test_bench_with_back_to_back_rearrangements_reports_no_steady_ratio(capsys, tmp_path):
+    """--interval 1: every step is inside a rearrangement, so there is no steady p50 to divide by."""
+    assert main(["bench", "--json", "--mode", "eager", "--ranks", "1", "--steps", "20", "--interval", "1",
+                 "--out", str(tmp_path)]) == 0
+    ratios = json.loads(capsys.readouterr().out)["ratios"]["eager"]
+    assert ratios["steady_decode_steps"] == 0 and ratios["rearranging_decode_steps"] > 0
+    assert ratios["rearranging_p99_over_steady_p50"] is None and ratios["steady_p50_ms"] is None
 
 
 def test_bench_runs_the_mode_asked_for(monkeypatch, capsys, tmp_path):
