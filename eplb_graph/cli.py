@@ -51,6 +51,22 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0 if report["verifier_ok"] and not report["unattributed"] else 1
 
 
+def _output_dir(path: str):
+    """--out, created now: a path that cannot hold the results fails before any process starts,
+    not after the run."""
+    import os
+    from pathlib import Path
+
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--out {path}: cannot create the output directory ({error.strerror})") from None
+    if not os.access(out, os.W_OK):
+        raise ValueError(f"--out {path}: the output directory is not writable")
+    return out
+
+
 def _run_config(args: argparse.Namespace, **overrides):
     from eplb_graph.runner import RunConfig
 
@@ -75,7 +91,6 @@ def _or_na(value, missing: str = "n/a") -> str:
 
 def _run(args: argparse.Namespace) -> int:
     import os
-    from pathlib import Path
 
     from eplb_graph.expert_parallel import shutdown_expert_parallel
     from eplb_graph.launch import run_ranks
@@ -83,6 +98,7 @@ def _run(args: argparse.Namespace) -> int:
     from eplb_graph.runner import run_rank, run_rank_and_shut_down
 
     config = _run_config(args, progress=not args.json, tolerance=args.tolerance)
+    out = _output_dir(args.out)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         import torch.distributed as dist
 
@@ -101,8 +117,6 @@ def _run(args: argparse.Namespace) -> int:
     report = summarize(config, results)
     problems = failed_invariants(report)
     report["failed_invariants"] = problems
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     plots = write_plots(out, config, results)
     if args.json:
@@ -125,15 +139,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from eplb_graph.bench import bench_modes, format_table, run_bench, write_chart
 
     modes = bench_modes(args.mode, args.device)
     config = _run_config(args, mode=modes[0])
+    out = _output_dir(args.out)
     report = run_bench(config, modes, timeout_s=args.timeout)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     chart = write_chart(out, report)
     if args.json:

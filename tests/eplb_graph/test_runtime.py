@@ -107,6 +107,16 @@ def test_bad_input_fails_before_any_process_starts(args, message, capsys, tmp_pa
     assert time.monotonic() - start < 5  # no process was launched
 
 
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_an_output_path_that_is_a_file_fails_before_any_process_starts(command, capsys, tmp_path):
+    taken = tmp_path / "report"
+    taken.write_text("not a directory")
+    start = time.monotonic()
+    assert main([command, "--out", str(taken)]) == 2
+    assert f"--out {taken}: cannot create the output directory" in capsys.readouterr().err
+    assert time.monotonic() - start < 5 and taken.read_text() == "not a directory"
+
+
 def test_cuda_needs_a_gpu_per_rank(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"device 'cuda': torch.cuda.is_available\(\) is False"):
