@@ -139,7 +139,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-
     from eplb_graph.bench import bench_modes, format_table, run_bench, write_chart
 
     modes = bench_modes(args.mode, args.device)
