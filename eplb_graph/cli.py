@@ -35,13 +35,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from eplb_graph.inspect import build_report, format_text, inspect_model, write_outputs
 
+    out = _output_dir(args.out) if args.out else None
     handle, record = inspect_model(args.model, args.backend, args.redundant)
     report = build_report(args.model, args.backend, handle, record)
-    written = write_outputs(Path(args.out), report, record) if args.out else []
+    written = write_outputs(out, report, record) if out is not None else []
     if args.json:
         print(json.dumps(report, indent=2))
     else:

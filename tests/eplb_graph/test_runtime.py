@@ -107,7 +107,7 @@ def test_bad_input_fails_before_any_process_starts(args, message, capsys, tmp_pa
     assert time.monotonic() - start < 5  # no process was launched
 
 
-@pytest.mark.parametrize("command", ["run", "bench"])
+@pytest.mark.parametrize("command", ["run", "bench", "inspect"])
 def test_an_output_path_that_is_a_file_fails_before_any_process_starts(command, capsys, tmp_path):
     taken = tmp_path / "report"
     taken.write_text("not a directory")
