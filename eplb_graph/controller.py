@@ -30,7 +30,7 @@ from eplb_graph.layer_lookup import (
     check_load_phase,
     validate_layer_placements,
 )
-from eplb_graph.upstream_compat import UpstreamCapabilityAdapter
+from eplb_graph.upstream_compat import UpstreamCapabilityAdapter, ends_rearrangement
 
 
 class EplbPeerLostError(RuntimeError):
@@ -162,10 +162,9 @@ class EplbController:
         for index in indices:
             self.layers[index].tables.refresh_(committed[index])
             self.stats.layers_committed += 1
-        # upstream commits layers in order and ends a rearrangement with its last layer (or
-        # all at once); counted here, not from the flag between steps, because one step()
-        # can finish a rearrangement and start the next
-        if layer_index is None or layer_index == len(self.layers) - 1:
+        # counted here, not from the flag between steps: one step() can finish a
+        # rearrangement and start the next
+        if ends_rearrangement(model_state, layer_index):
             self.stats.rearrangements_finished += 1
 
     # -- per batch ----------------------------------------------------------------------

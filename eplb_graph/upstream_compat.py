@@ -143,6 +143,13 @@ class _Patch:
     replacement: object
 
 
+def ends_rearrangement(model_state, layer_index: int | None) -> bool:
+    """Whether a commit (``commit_hook``'s arguments) ends a rearrangement, by upstream's own
+    rule: the async path commits layers in order and ``_move_to_workspace`` ends the
+    rearrangement with the last MoE layer; the synchronous path commits all at once (None)."""
+    return layer_index is None or layer_index == model_state.model.num_moe_layers - 1
+
+
 class UpstreamCapabilityAdapter:
     """Installs the narrow patches for one process; see the module docstring."""
 

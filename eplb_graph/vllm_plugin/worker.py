@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from eplb_graph.layer_lookup import validate_layer_placements
-from eplb_graph.upstream_compat import UpstreamCapabilityAdapter
+from eplb_graph.upstream_compat import UpstreamCapabilityAdapter, ends_rearrangement
 
 from . import router_adapter
 from .layers import GRAPH_PASS, ROUTER_ADAPTER, VllmMoELayer
@@ -134,7 +134,7 @@ class VllmEplbWorker:
             if layers[index].refresh_from_upstream_(committed[index]):
                 self.stats.placement_changes += 1
             self.stats.layers_committed += 1
-        if layer_index is None or layer_index == len(layers) - 1:
+        if ends_rearrangement(model_state, layer_index):
             self.stats.rearrangements_committed += 1
 
     # -- runner integration -------------------------------------------------------------
