@@ -114,7 +114,7 @@ class RunConfig:
         for name in ("step_interval", "window_size"):  # upstream's EPLBConfig would refuse them inside each rank
             if getattr(self, name) < 1:
                 raise ValueError(f"EPLB {name} must be >= 1 step, got {getattr(self, name)}")
-        expert_format(self.weight_format).check_dims(self.hidden, self.expert_intermediate)
+        fmt = expert_format(self.weight_format)
         self.workload().validate()
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
@@ -123,6 +123,7 @@ class RunConfig:
         for name in ("hidden", "expert_intermediate", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        fmt.check_dims(self.hidden, self.expert_intermediate)
         self.model_config()  # e.g. a width the attention heads do not divide
 
 
