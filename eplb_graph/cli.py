@@ -229,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     except RankFailure as error:
         print(f"eplb-graph: {error}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:  # run_ranks has stopped every rank by now
+        print("eplb-graph: interrupted; every rank process stopped, nothing written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

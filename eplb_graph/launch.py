@@ -2,13 +2,15 @@
 
 Every rank gets (rank, world_size, init_method, *args); what it returns comes back in
 rank order. A rank that raises, dies or overruns the deadline fails the whole launch with
-a message naming it; the survivors are stopped, never left hanging.
+a message naming it; the survivors are stopped, never left hanging. Ctrl-C in the launcher
+stops every rank too.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -33,6 +35,9 @@ def free_port() -> int:
 
 def _entry(fn: Callable, rank: int, world_size: int, init_method: str, args: tuple, results) -> None:
     faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack
+    # Ctrl-C reaches the whole process group; the launcher answers it and stops every rank, so a
+    # rank does not report its own interruption as a failure first
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         results.put((rank, True, fn(rank, world_size, init_method, *args)))
     except BaseException as error:  # reported to the launcher, then the process exits nonzero
@@ -55,30 +60,32 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 180.0) ->
     deadline = time.monotonic() + timeout_s
     done: dict[int, object] = {}
     failures: dict[int, str] = {}
-    while len(done) + len(failures) < world_size:
-        try:
-            rank, ok, value = results.get(timeout=0.2)
-            (done if ok else failures)[rank] = value
-            continue
-        except queue.Empty:
-            pass
-        for rank, process in enumerate(processes):
-            if rank not in done and rank not in failures and not process.is_alive():
-                # give its last message a moment to arrive before declaring it dead
-                try:
-                    r, ok, value = results.get(timeout=1.0)
-                    (done if ok else failures)[r] = value
-                except queue.Empty:
-                    failures[rank] = f"process died with exit code {process.exitcode}"
-        if time.monotonic() > deadline:
-            for rank in range(world_size):
-                if rank not in done and rank not in failures:
-                    failures[rank] = f"still running after {timeout_s:.0f} s"
-            break
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-        process.join(5)
+    try:
+        while len(done) + len(failures) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+                (done if ok else failures)[rank] = value
+                continue
+            except queue.Empty:
+                pass
+            for rank, process in enumerate(processes):
+                if rank not in done and rank not in failures and not process.is_alive():
+                    # give its last message a moment to arrive before declaring it dead
+                    try:
+                        r, ok, value = results.get(timeout=1.0)
+                        (done if ok else failures)[r] = value
+                    except queue.Empty:
+                        failures[rank] = f"process died with exit code {process.exitcode}"
+            if time.monotonic() > deadline:
+                for rank in range(world_size):
+                    if rank not in done and rank not in failures:
+                        failures[rank] = f"still running after {timeout_s:.0f} s"
+                break
+    finally:  # also on Ctrl-C in the launcher: no rank outlives it
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join(5)
     if failures:
         raise RankFailure(failures, done)
     return [done[rank] for rank in range(world_size)]

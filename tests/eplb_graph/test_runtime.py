@@ -189,6 +189,69 @@ def test_a_dying_rank_stops_the_run_naming_it():
     assert time.monotonic() - start < 90
 
 
+def _live_processes_in_group(group: int) -> list[str]:
+    """Command lines of the processes in a process group, zombies (already exited, waiting
+    for a parent that is gone) left out."""
+    from pathlib import Path
+
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp
+            if int(fields[2]) == group and fields[0] != "Z":
+                live.append((stat.parent / "cmdline").read_text().replace("\0", " "))
+        except (OSError, IndexError, ValueError):  # exited while we looked
+            continue
+    return live
+
+
+def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
+    """Ctrl-C reaches the launcher and both ranks (one process group): the run stops at once,
+    says so without a traceback, writes nothing, and leaves no process behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    # a shell's background job may have inherited SIGINT ignored: restore Python's handler
+    launcher = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                "sys.argv = ['eplb-graph', *sys.argv[1:]]; runpy.run_module('eplb_graph.cli', run_name='__main__')")
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [sys.executable, "-c", launcher, "run", "--mode", "eager", "--steps", "1000000", "--out", str(out)],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True,
+    )
+    stderr: list[str] = []
+    stepping = threading.Event()
+
+    def read_stderr() -> None:
+        for line in iter(lambda: process.stderr.read(256), ""):
+            stderr.append(line)
+            if "step/s" in "".join(stderr[-2:]):  # the progress bar: both ranks are stepping
+                stepping.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        assert stepping.wait(180), "".join(stderr)[-3000:]
+        os.killpg(process.pid, signal.SIGINT)
+        start = time.monotonic()
+        code = process.wait(60)
+        stopped_s = time.monotonic() - start
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    reader.join(10)
+    text = "".join(stderr)
+    assert code == 130, text[-3000:]
+    assert stopped_s < 15
+    assert "interrupted; every rank process stopped" in text and "Traceback" not in text
+    assert not (out / "report.json").exists()
+    time.sleep(1)  # the resource tracker exits once the launcher has
+    assert _live_processes_in_group(process.pid) == []  # no rank, nor anything else of the run, is left
+
+
 def test_bench_reports_every_mode_and_setting(capsys, tmp_path):
     assert main(["bench", "--json", "--steps", "40", "--out", str(tmp_path)]) == 0
     report = json.loads(capsys.readouterr().out)
