@@ -241,6 +241,7 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
         "ranks": base.ranks,
         "steps_per_run": base.steps,
         "decode_tokens_per_rank": base.decode_tokens,
+        "capture_sizes": list(base.capture_sizes),
         "policy_process": base.policy_process,  # on_rearranging: upstream's policy in a helper process
         "note": "on CPU the graph mode is the compiled mode (no capture exists on the host)" if base.device == "cpu"
         else "graph: the compiled forward captured as one device graph per capture size",

@@ -74,7 +74,8 @@ def _run_config(args: argparse.Namespace, **overrides):
         num_experts=args.experts, num_redundant=args.redundant, top_k=args.top_k, num_layers=args.layers,
         seed=args.seed, step_interval=args.interval, window_size=args.interval, hidden=args.hidden,
         expert_intermediate=args.intermediate, shared_expert_intermediate=args.intermediate,
-        decode_tokens=args.decode_tokens, policy_process=args.policy_process,
+        decode_tokens=args.decode_tokens, prefill_tokens=args.prefill_tokens, capture_sizes=args.capture_sizes,
+        policy_process=args.policy_process,
     )
     fields.update(overrides)
     config = RunConfig(**fields)
@@ -154,6 +155,14 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _capture_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts such as 16,64, got {text!r}") from None
+    return sizes
+
+
 def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode: str = "compiled",
                            interval: int = 20) -> None:
     from eplb_graph.runner import DEVICES, MODES
@@ -171,6 +180,11 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode:
     parser.add_argument("--hidden", type=int, default=64, help="model width")
     parser.add_argument("--intermediate", type=int, default=64, help="routed and shared expert width")
     parser.add_argument("--decode-tokens", type=int, default=16, help="tokens per rank in a decode batch")
+    parser.add_argument("--prefill-tokens", type=int, default=48,
+                        help="tokens per rank in a prefill batch (a mixed batch: prefill + decode, capped by the largest "
+                             "capture size)")
+    parser.add_argument("--capture-sizes", type=_capture_sizes, default=(16, 64), metavar="N[,N...]",
+                        help="batch sizes (tokens per rank) that batches are padded to, one graph each: 16,64")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--interval", type=int, default=interval,
                         help="EPLB step interval (= load window), in steps; bench: of its on_rearranging run")

@@ -67,6 +67,8 @@ def summarize(cfg, results: list[dict]) -> dict:
         "num_layers": cfg.num_layers,
         "num_logical_experts": cfg.num_experts,
         "num_physical_experts": cfg.num_physical,
+        "capture_sizes": list(cfg.capture_sizes),
+        "batch_tokens_per_rank": cfg.workload().batch_tokens(),  # decode / prefill / mixed, before padding
         "rearrangements": min(r["rearrangements_finished"] for r in results),
         "rearrangements_started": min(r["rearrangements_started"] for r in results),
         "layers_committed": min(r["layers_committed"] for r in results),

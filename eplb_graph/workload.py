@@ -36,13 +36,14 @@ class WorkloadSpec:
     seed: int = 0
 
     def validate(self) -> None:
+        if not self.capture_sizes or min(self.capture_sizes) < 1:
+            raise ValueError(f"capture sizes must be positive token counts, got {list(self.capture_sizes)}")
         largest = max(self.capture_sizes)
         for name, count in (("decode_tokens", self.decode_tokens), ("prefill_tokens", self.prefill_tokens)):
             if count > largest:
                 raise ValueError(f"{name}={count} exceeds the largest capture size {largest}")
             if count <= 0:
                 raise ValueError(f"{name} must be positive, got {count}")
-
 
     def batch_tokens(self) -> dict[str, int]:
         return {

@@ -96,6 +96,9 @@ def test_run_with_the_policy_in_helper_processes(capsys, tmp_path):
         (["--hidden", "6"], "hidden_size 6 is not divisible by num_heads 4"),
         (["--timeout", "0"], "--timeout must be > 0 seconds, got 0.0"),
         (["--tolerance", "0"], "tolerance must be > 0, got 0.0"),
+        (["--capture-sizes", "8"], "decode_tokens=16 exceeds the largest capture size 8"),
+        (["--capture-sizes", "0,64"], "capture sizes must be positive token counts, got [0, 64]"),
+        (["--prefill-tokens", "100"], "prefill_tokens=100 exceeds the largest capture size 64"),
         (["--format", "w4a8", "--intermediate", "33"], "w4a8 packs two int4 per byte along the input dim; got odd "
                                                        "intermediate size 33"),
     ],
@@ -105,6 +108,25 @@ def test_bad_input_fails_before_any_process_starts(args, message, capsys, tmp_pa
     assert main(["run", "--out", str(tmp_path), *args]) == 2
     assert message in capsys.readouterr().err
     assert time.monotonic() - start < 5  # no process was launched
+
+
+def test_capture_sizes_that_are_not_numbers_are_a_usage_error(capsys, tmp_path):
+    with pytest.raises(SystemExit) as usage:
+        main(["run", "--out", str(tmp_path), "--capture-sizes", "16,big"])
+    assert usage.value.code == 2
+    assert "expected comma-separated token counts such as 16,64, got '16,big'" in capsys.readouterr().err
+
+
+def test_run_pads_batches_to_the_capture_sizes_asked_for(capsys, tmp_path):
+    code, report = _run(capsys, tmp_path, "--mode", "eager", "--steps", "24", "--interval", "10",
+                        "--capture-sizes", "8,24,64", "--decode-tokens", "8", "--prefill-tokens", "20")
+    assert code == 0, report["failed_invariants"]
+    assert report["capture_sizes"] == [8, 24, 64]
+    assert report["batch_tokens_per_rank"] == {"decode": 8, "prefill": 20, "mixed": 28}
+    assert report["output_mismatches"] == 0 and report["rearrangements"] >= 1
+    spec = RunConfig(capture_sizes=(8, 24, 64), decode_tokens=8, prefill_tokens=20).workload()
+    padded = {make_batch(spec, step, 0).kind: make_batch(spec, step, 0).tokens.shape[1] for step in range(17)}
+    assert padded == {"decode": 8, "prefill": 24, "mixed": 64}  # the smallest capture size that holds each
 
 
 @pytest.mark.parametrize("command", ["run", "bench", "inspect"])
@@ -290,15 +312,15 @@ def test_bench_runs_the_mode_asked_for(monkeypatch, capsys, tmp_path):
     asked = []
 
     def fake_run_bench(config, modes, *, timeout_s):  # what reaches the bench is the subject
-        asked.append((config.mode, modes, config.steps, config.step_interval, timeout_s))
+        asked.append((config.mode, modes, config.steps, config.step_interval, timeout_s, config.capture_sizes))
         return {"device": config.device, "ranks": config.ranks, "results": [], "ratios": {}}
 
     monkeypatch.setattr(bench, "run_bench", fake_run_bench)
     monkeypatch.setattr(bench, "write_chart", lambda out, report: out / "bench.png")
     assert main(["bench", "--mode", "compiled", "--out", str(tmp_path), "--interval", "7", "--timeout", "60",
-                 "--steps", "30"]) == 0
+                 "--steps", "30", "--capture-sizes", "16,48"]) == 0
     assert main(["bench", "--out", str(tmp_path)]) == 0
-    assert asked == [("compiled", ("compiled",), 30, 7, 60), ("eager", ("eager", "compiled"), 120, 10, 900)]
+    assert asked == [("compiled", ("compiled",), 30, 7, 60, (16, 48)), ("eager", ("eager", "compiled"), 120, 10, 900, (16, 64))]
 
 
 @pytest.mark.parametrize(
