@@ -224,6 +224,11 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
             # no steady step (rearrangements back to back: --interval within a rearrangement's length)
             "rearranging_p99_over_steady_p50": round(percentile(rearranging, 99) / statistics.median(steady), 3)
             if rearranging and steady else None,
+            # the same run's steady steps against themselves: what the ratio above would read if a
+            # rearrangement cost nothing (this machine's own tail), and the typical rearranging step
+            "steady_p99_over_steady_p50": round(percentile(steady, 99) / statistics.median(steady), 3) if steady else None,
+            "rearranging_p50_over_steady_p50": round(statistics.median(rearranging) / statistics.median(steady), 3)
+            if rearranging and steady else None,
             "rearranging_decode_steps": len(rearranging),
             "steady_decode_steps": len(steady),
             "steady_p50_ms": round(statistics.median(steady), 3) if steady else None,

@@ -294,6 +294,9 @@ def test_bench_reports_every_mode_and_setting(capsys, tmp_path):
         assert 0 < ratios["rearranging_eplb_host_p50_ms"] <= ratios["rearranging_eplb_host_p99_ms"] <= rearranging["p99_ms"]
         assert rearranging["recaptures"] is None  # nothing is captured on the host
         assert ratios["rearranging_decode_steps"] > 0 and ratios["steady_decode_steps"] > 0
+        # the floor the rearranging ratio is read against: the steady steps' own tail
+        assert ratios["steady_p99_over_steady_p50"] >= 1 and ratios["rearranging_p50_over_steady_p50"] > 0
+        assert ratios["rearranging_p99_over_steady_p50"] >= ratios["rearranging_p50_over_steady_p50"]
     assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.png").exists()
 
 
@@ -304,6 +307,7 @@ def test_bench_with_back_to_back_rearrangements_reports_no_steady_ratio(capsys, 
     ratios = json.loads(capsys.readouterr().out)["ratios"]["eager"]
     assert ratios["steady_decode_steps"] == 0 and ratios["rearranging_decode_steps"] > 0
     assert ratios["rearranging_p99_over_steady_p50"] is None and ratios["steady_p50_ms"] is None
+    assert ratios["steady_p99_over_steady_p50"] is None and ratios["rearranging_p50_over_steady_p50"] is None
 
 
 def test_bench_runs_the_mode_asked_for(monkeypatch, capsys, tmp_path):
