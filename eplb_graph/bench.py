@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from eplb_graph.launch import run_ranks
+from eplb_graph.launch import Heartbeat, run_ranks
 from eplb_graph.run_report import percentile
 from eplb_graph.runner import (
     MODES,
@@ -81,9 +81,11 @@ def decode_batches(cfg: RunConfig, rank: int, device: torch.device) -> list[Batc
 
 
 def rotating_steps(forwards: dict[str, Callable], controllers: dict[str, EplbController | None],
-                   batches: list[Batch], steps: int, device: torch.device) -> dict[str, list[TimedStep]]:
+                   batches: list[Batch], steps: int, device: torch.device,
+                   heartbeat: Heartbeat | None = None) -> dict[str, list[TimedStep]]:
     """Every forward once per step on the same batch, the order rotating so each leads a step as
-    often as the others: side by side in one process, the machine's noise hits all alike."""
+    often as the others: side by side in one process, the machine's noise hits all alike.
+    ``heartbeat`` beats after each step (see ``eplb_graph.launch``)."""
     names = list(forwards)
     timed: dict[str, list[TimedStep]] = {name: [] for name in names}
     for step in range(steps):
@@ -91,10 +93,13 @@ def rotating_steps(forwards: dict[str, Callable], controllers: dict[str, EplbCon
         first = step % len(names)
         for name in names[first:] + names[:first]:
             timed[name].append(timed_step(forwards[name], batch, device, controllers.get(name)))
+        if heartbeat is not None:
+            heartbeat.beat()
     return timed
 
 
-def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> dict:
+def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig,
+                     heartbeat: Heartbeat | None = None) -> dict:
     """EPLB off and EPLB on (identity placement, never rearranging) in the same processes,
     decode steps rotating between the models, so all see the same machine. ``off_twin`` is
     a second, identical EPLB-off model: off_twin / off is what this harness measures when
@@ -124,7 +129,7 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
         for name, forward in forwards.items():  # first call: compiles (graph mode captured already)
             compile_s[name] += timed_step(forward, decode[0], device, controllers.get(name)).seconds
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        timed = rotating_steps(forwards, controllers, decode, cfg.steps, device)
+        timed = rotating_steps(forwards, controllers, decode, cfg.steps, device, heartbeat)
         times = {name: [t.seconds * 1e3 for t in steps] for name, steps in timed.items()}
         times["on_idle_eplb_host"] = [t.eplb_host_s * 1e3 for t in timed["on_idle"]]
         recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs

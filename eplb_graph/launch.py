@@ -1,14 +1,19 @@
 """Runs one function per EP rank in real processes on this machine, with bounded waits.
 
-Every rank gets (rank, world_size, init_method, *args); what it returns comes back in
-rank order. A rank that raises, dies or overruns the deadline fails the whole launch with
-a message naming it; the survivors are stopped, never left hanging. Ctrl-C in the launcher
-stops every rank too.
+Every rank gets (rank, world_size, init_method, *args), and ``heartbeat=`` if it takes
+that keyword; what it returns comes back in rank order. A rank that raises, dies or goes
+silent for the timeout fails the whole launch with a message naming it; the survivors are
+stopped, never left hanging. Ctrl-C in the launcher stops every rank too.
+
+Silent means no heartbeat: a rank function that beats (once per step, say) may run as long
+as it keeps beating, so a long run is not mistaken for a stuck one; one that never beats
+has the timeout for its whole run.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import inspect
 import queue
 import signal
 import socket
@@ -27,19 +32,33 @@ class RankFailure(RuntimeError):
         super().__init__(f"{len(failures)} rank(s) failed:\n{detail}")
 
 
+class Heartbeat:
+    """A rank's last sign of life, in memory shared with its launcher."""
+
+    def __init__(self, ctx) -> None:
+        # CLOCK_MONOTONIC is system-wide on Linux: the launcher compares it with its own clock
+        self._last = ctx.Value("d", time.monotonic(), lock=False)
+
+    def beat(self) -> None:
+        self._last.value = time.monotonic()
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self._last.value
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world_size: int, init_method: str, args: tuple, results) -> None:
+def _entry(fn: Callable, rank: int, world_size: int, init_method: str, args: tuple, kwargs: dict, results) -> None:
     faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack
     # Ctrl-C reaches the whole process group; the launcher answers it and stops every rank, so a
     # rank does not report its own interruption as a failure first
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        results.put((rank, True, fn(rank, world_size, init_method, *args)))
+        results.put((rank, True, fn(rank, world_size, init_method, *args, **kwargs)))
     except BaseException as error:  # reported to the launcher, then the process exits nonzero
         results.put((rank, False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
         results.close()
@@ -48,16 +67,21 @@ def _entry(fn: Callable, rank: int, world_size: int, init_method: str, args: tup
 
 
 def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 180.0) -> list:
+    """``timeout_s``: how long a rank may go without a heartbeat (see the module text)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
+    beats = [Heartbeat(ctx) for _ in range(world_size)]
+    takes_heartbeat = "heartbeat" in inspect.signature(fn).parameters
     processes = [
-        ctx.Process(target=_entry, args=(fn, rank, world_size, init_method, args, results), daemon=True)
+        ctx.Process(target=_entry, daemon=True, args=(fn, rank, world_size, init_method, args,
+                                                      {"heartbeat": beats[rank]} if takes_heartbeat else {}, results))
         for rank in range(world_size)
     ]
     for process in processes:
         process.start()
-    deadline = time.monotonic() + timeout_s
+    for beat in beats:  # the clock starts now, not at construction
+        beat.beat()
     done: dict[int, object] = {}
     failures: dict[int, str] = {}
     try:
@@ -76,10 +100,12 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 180.0) ->
                         (done if ok else failures)[r] = value
                     except queue.Empty:
                         failures[rank] = f"process died with exit code {process.exitcode}"
-            if time.monotonic() > deadline:
-                for rank in range(world_size):
-                    if rank not in done and rank not in failures:
-                        failures[rank] = f"still running after {timeout_s:.0f} s"
+            silent = [rank for rank in range(world_size)
+                      if rank not in done and rank not in failures and beats[rank].silent_for() > timeout_s]
+            if silent:
+                for rank in silent:
+                    failures[rank] = (f"no heartbeat for {timeout_s:.0f} s (stuck)" if takes_heartbeat
+                                      else f"still running after {timeout_s:.0f} s")
                 break
     finally:  # also on Ctrl-C in the launcher: no rank outlives it
         for process in processes:

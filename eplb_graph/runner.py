@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from eplb_graph.launch import Heartbeat
 from eplb_graph.layer_lookup import check_expert_layout
 from eplb_graph.models.reference import ReferenceMoEConfig
 from eplb_graph.run_report import balancedness
@@ -316,7 +317,9 @@ def rank_session(rank: int, world_size: int, init_method: str, cfg: RunConfig) -
         yield (ep_group.device_group if world_size > 1 else None), ep_group.cpu_group
 
 
-def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> dict:
+def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig, heartbeat: Heartbeat | None = None) -> dict:
+    """One rank's whole run. ``heartbeat`` (from ``run_ranks``) beats after every step, so the
+    launcher's timeout bounds a stuck step, not the run's length."""
     from eplb_graph.controller import EplbController
 
     result = RankResult(rank)
@@ -373,6 +376,8 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
                 result.kinds.append(batch.kind)
                 result.rebalancing.append(busy)
             result.tokens += batch.num_tokens
+            if heartbeat is not None:
+                heartbeat.beat()
             if progress is not None:
                 progress.update(1)
                 if result.rank_load and (step + 1) % cfg.step_interval == 0:
@@ -407,11 +412,12 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> di
     return asdict(result)
 
 
-def run_rank_and_shut_down(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> dict:
+def run_rank_and_shut_down(rank: int, world_size: int, init_method: str, cfg: RunConfig,
+                           heartbeat: Heartbeat | None = None) -> dict:
     """``run_rank`` for a process that ends with it: the groups are torn down afterwards."""
     from eplb_graph.expert_parallel import shutdown_expert_parallel
 
     try:
-        return run_rank(rank, world_size, init_method, cfg)
+        return run_rank(rank, world_size, init_method, cfg, heartbeat)
     finally:
         shutdown_expert_parallel()

@@ -1,0 +1,45 @@
+"""Rank bodies for the launcher's tests (module level, so spawned processes can import them)."""
+
+import time
+
+
+def beat_for(rank, world_size, init_method, seconds, every_s, heartbeat):
+    """Runs `seconds` in all, beating every `every_s`: a long run that is never silent."""
+    end = time.monotonic() + seconds
+    beats = 0
+    while time.monotonic() < end:
+        time.sleep(every_s)
+        heartbeat.beat()
+        beats += 1
+    return beats
+
+
+def beat_then_hang(rank, world_size, init_method, hang_rank, heartbeat):
+    """Every rank beats for a while; `hang_rank` then stops beating (stuck), the others finish."""
+    for _ in range(5):
+        time.sleep(0.1)
+        heartbeat.beat()
+    if rank == hang_rank:
+        time.sleep(3600)
+    return rank
+
+
+def never_beat(rank, world_size, init_method, seconds):
+    """Takes no heartbeat: the timeout bounds its whole run."""
+    time.sleep(seconds)
+    return rank
+
+
+class CountingHeartbeat:
+    def __init__(self) -> None:
+        self.beats = 0
+
+    def beat(self) -> None:
+        self.beats += 1
+
+
+def beats_of(rank, world_size, init_method, fn, *args):
+    """How often a rank body beats over its run."""
+    heartbeat = CountingHeartbeat()
+    fn(rank, world_size, init_method, *args, heartbeat=heartbeat)
+    return heartbeat.beats

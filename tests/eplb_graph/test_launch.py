@@ -1,0 +1,41 @@
+"""The rank launcher: a rank is declared stuck when it goes silent, not when a long run is long."""
+
+import time
+
+import pytest
+
+from eplb_graph.bench import idle_vs_off_rank
+from eplb_graph.launch import RankFailure, run_ranks
+from eplb_graph.runner import RunConfig, run_rank_and_shut_down
+from tests.eplb_graph import launch_cases
+
+# a rank's start-up (spawn, imports) is part of its silence: ~2.3 s for two ranks on two idle cores
+TIMEOUT_S = 5
+
+
+def test_a_rank_that_keeps_beating_runs_past_the_timeout():
+    start = time.monotonic()
+    beats = run_ranks(launch_cases.beat_for, 2, 2.2 * TIMEOUT_S, 0.2, timeout_s=TIMEOUT_S)
+    assert all(count >= 40 for count in beats) and time.monotonic() - start > 2 * TIMEOUT_S
+
+
+def test_a_rank_that_stops_beating_is_named_stuck_within_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(launch_cases.beat_then_hang, 2, 1, timeout_s=TIMEOUT_S)
+    assert failure.value.failures == {1: f"no heartbeat for {TIMEOUT_S} s (stuck)"}
+    assert failure.value.results == {0: 0}  # the healthy rank finished and reported
+    assert time.monotonic() - start < 3 * TIMEOUT_S
+
+
+def test_a_rank_body_without_heartbeat_has_the_timeout_for_its_whole_run():
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(launch_cases.never_beat, 1, 30, timeout_s=TIMEOUT_S)
+    assert failure.value.failures == {0: f"still running after {TIMEOUT_S} s"}
+
+
+@pytest.mark.parametrize("body", [run_rank_and_shut_down, idle_vs_off_rank], ids=["run", "bench"])
+def test_the_runtime_beats_once_per_step(body):
+    """`eplb-graph run` and `bench` beat after every step, so --timeout bounds a step, not a run."""
+    cfg = RunConfig(mode="eager", ranks=1, steps=12, check_outputs=False)
+    assert run_ranks(launch_cases.beats_of, 1, body, cfg, timeout_s=300) == [12]
