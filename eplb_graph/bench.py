@@ -268,9 +268,36 @@ def format_table(report: dict) -> str:
             f"{r['mode']:<9} {r['eplb']:<15} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['tokens_per_s']:>9.0f} "
             f"{r['compile_or_capture_s']:>9.1f} {r['recompiles']:>6} {'-' if r['recaptures'] is None else r['recaptures']:>6}"
         )
-    for mode, ratio in report["ratios"].items():
-        lines.append(f"{mode}: {ratio}")
+    modes = [mode for mode, ratios in report["ratios"].items() if isinstance(ratios, dict)]
+    if modes:
+        lines.append("")
+        lines.append(f"{'ratio':<42}" + "".join(f"{mode:>24}" for mode in modes) + "  target")
+        targets = report.get("targets", {})
+        for label, key, interval in _RATIO_ROWS:
+            cells = []
+            for mode in modes:
+                value, bounds = report["ratios"][mode].get(key), report["ratios"][mode].get(interval or "")
+                cell = "n/a" if value is None else f"{value:.3f}"
+                cells.append(cell + (f" [{bounds[0]:.3f}, {bounds[1]:.3f}]" if bounds else ""))
+            target = targets.get(key)
+            verdicts = ["met" if v is not None and v <= target else "missed" if v is not None else "n/a"
+                        for v in (report["ratios"][mode].get(key) for mode in modes)] if target else []
+            lines.append(f"{label:<42}" + "".join(f"{cell:>24}" for cell in cells)
+                         + (f"  <= {target} ({', '.join(verdicts)})" if target else ""))
+    speedup = report["ratios"].get("graph_speedup_over_eager_decode")
+    if speedup is not None:
+        lines.append(f"{'graph speedup over eager at decode (p50)':<42}{speedup:>24.3f}")
     return "\n".join(lines)
+
+
+# (label, key in a mode's ratios, key of its 95 % interval or None)
+_RATIO_ROWS = (
+    ("on_idle / off (p50) [95 %]", "on_idle_over_off", "on_idle_over_off_ci95"),
+    ("off_twin / off (A/A: nothing differs)", "off_twin_over_off", "off_twin_over_off_ci95"),
+    ("rearranging p99 / steady p50", "rearranging_p99_over_steady_p50", None),
+    ("steady p99 / steady p50 (its floor here)", "steady_p99_over_steady_p50", None),
+    ("rearranging p50 / steady p50", "rearranging_p50_over_steady_p50", None),
+)
 
 
 def write_chart(out: Path, report: dict) -> Path:
