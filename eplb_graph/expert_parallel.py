@@ -78,6 +78,11 @@ class ExpertParallelMoE(nn.Module):
     ``map_and_record_layer`` itself (eager); compiled, it is left to the EPLB pass, which
     inserts the same op after the gate's top-k. Collectives are functional, so the block
     traces into one graph under torch.compile.
+
+    The combine sums every (token, k) contribution over ranks before the k-sum, not partial
+    k-sums: a placement then never changes the order of any addition, so in eager mode the
+    output equals the one-process model's exactly (the price: K times the bytes of a
+    combine of [T, H] partial sums).
     """
 
     def __init__(
@@ -148,10 +153,14 @@ class ExpertParallelMoE(nn.Module):
         local = all_ids - self.ep_rank * num_local  # [W*T, K]
         mine = (local >= 0) & (local < num_local)
         pairs = self.experts(all_x.repeat_interleave(top_k, dim=0), local.clamp(0, num_local - 1).reshape(-1))
-        out = (pairs * (all_weights * mine).reshape(-1, 1)).view(-1, top_k, shape[-1]).sum(1)  # [W*T, H]
+        # each (token, k) pair is computed by one rank and is exactly zero on the others
+        contributions = (pairs * (all_weights * mine).reshape(-1, 1)).view(-1, top_k, shape[-1])  # [W*T, K, H]
         if self.ep_size > 1:
-            out = self._sum_over_ranks(out)
-            out = out[self.ep_rank * num_tokens : (self.ep_rank + 1) * num_tokens]
+            # summing a value with zeros is exact, so this rank's pairs arrive bit for bit whatever
+            # the placement; the k-sum below then adds them in one process's order
+            contributions = self._sum_over_ranks(contributions)
+            contributions = contributions[self.ep_rank * num_tokens : (self.ep_rank + 1) * num_tokens]
+        out = contributions.sum(1)  # [T, H]
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
         return out.view(shape)

@@ -75,6 +75,7 @@ def summarize(cfg, results: list[dict]) -> dict:
         "output_mismatches": sum(r["output_mismatches"] for r in results),
         "max_abs_diff": max(r["max_abs_diff"] for r in results),
         "tolerance": cfg.output_tolerance,
+        "output_check": "exact" if cfg.output_tolerance == 0 else f"allclose(rtol=atol={cfg.output_tolerance:g})",
         "recompiles": max(r["recompiles"] for r in results),
         "recaptures": None if any(r["recaptures"] is None for r in results) else max(r["recaptures"] for r in results),
         "verifier_ok": all(r["verifier_ok"] for r in results),

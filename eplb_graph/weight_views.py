@@ -27,11 +27,11 @@ class ExpertWeights(nn.Module):
 
     format_name = "base"
     view_names: tuple[str, ...] = ()
-    # How far this format's output may move when the same math runs in another order (the
-    # EP combine sums a token's k experts in another order than one process does; Inductor
-    # fuses differently). Float32 moves ~1e-7; a quantized format turns that into a whole
-    # quantization step wherever a value sits on a rounding boundary (measured max 1.9e-4
-    # over 1100 steps), while a lost weight move moves it by ~5e-2.
+    # How far this format's output may move when the same math runs in another order
+    # (Inductor's fused kernels against the eager reference). Float32 moves ~1e-7; a
+    # quantized format turns that into a whole quantization step wherever a value sits on a
+    # rounding boundary (measured max 1.9e-4 over 1100 steps), while a lost weight move
+    # moves it by ~5e-2.
     output_tolerance: float = 1e-5
 
     @property
