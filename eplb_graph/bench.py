@@ -276,16 +276,18 @@ def format_table(report: dict) -> str:
         lines.append(f"{'ratio':<42}" + "".join(f"{mode:>24}" for mode in modes) + "  target")
         targets = report.get("targets", {})
         for label, key, interval in _RATIO_ROWS:
+            values = [report["ratios"][mode].get(key) for mode in modes]
             cells = []
-            for mode in modes:
-                value, bounds = report["ratios"][mode].get(key), report["ratios"][mode].get(interval or "")
+            for mode, value in zip(modes, values):
+                bounds = report["ratios"][mode].get(interval) if interval else None
                 cell = "n/a" if value is None else f"{value:.3f}"
                 cells.append(cell + (f" [{bounds[0]:.3f}, {bounds[1]:.3f}]" if bounds else ""))
+            line = f"{label:<42}" + "".join(f"{cell:>24}" for cell in cells)
             target = targets.get(key)
-            verdicts = ["met" if v is not None and v <= target else "missed" if v is not None else "n/a"
-                        for v in (report["ratios"][mode].get(key) for mode in modes)] if target else []
-            lines.append(f"{label:<42}" + "".join(f"{cell:>24}" for cell in cells)
-                         + (f"  <= {target} ({', '.join(verdicts)})" if target else ""))
+            if target is not None:
+                verdicts = ("n/a" if value is None else "met" if value <= target else "missed" for value in values)
+                line += f"  <= {target} ({', '.join(verdicts)})"
+            lines.append(line)
     speedup = report["ratios"].get("graph_speedup_over_eager_decode")
     if speedup is not None:
         lines.append(f"{'graph speedup over eager at decode (p50)':<42}{speedup:>24.3f}")
