@@ -187,18 +187,25 @@ def median_ratio(numerator: list[float], denominator: list[float]) -> float:
     return round(statistics.median(numerator) / statistics.median(denominator), 3)
 
 
-def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900) -> dict:
+def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900,
+              log: Callable[[str], None] | None = None) -> dict:
     """``base.steps`` per run and setting; ``base.step_interval``: how often the on_rearranging
-    run rearranges (on_idle never does)."""
+    run rearranges (on_idle never does). ``log`` gets one line as each run starts and ends."""
+    log = log or (lambda line: None)
     if base.steps < MIN_BENCH_STEPS:  # before any process starts
         raise ValueError(f"bench needs --steps >= {MIN_BENCH_STEPS} (p99 and the 95 % intervals need at least two "
                          f"{BLOCK_STEPS}-step blocks per rank), got {base.steps}")
     results, ratios = [], {}
     for mode in modes:
         common = dict(mode=mode, check_outputs=False, progress=False, collect_load_stats=False)
+        start = time.monotonic()
+        log(f"bench {mode}: off, on_idle and the A/A twin, {base.steps} steps each, rotating ...")
         paired = run_ranks(idle_vs_off_rank, base.ranks, dataclasses.replace(base, **common), timeout_s=timeout_s)
+        log(f"bench {mode}: on_rearranging, a rearrangement every {base.step_interval} steps ... "
+            f"({time.monotonic() - start:.0f} s so far)")
         busy_cfg = dataclasses.replace(base, eplb=True, **common)
         busy = run_ranks(run_rank_and_shut_down, base.ranks, busy_cfg, timeout_s=timeout_s)
+        log(f"bench {mode}: done in {time.monotonic() - start:.0f} s")
         off_steps = [ms for r in paired for ms in r["times"]["off"]]
         idle_steps = [ms for r in paired for ms in r["times"]["on_idle"]]
         twin_steps = [ms for r in paired for ms in r["times"]["off_twin"]]

@@ -144,7 +144,7 @@ def _bench(args: argparse.Namespace) -> int:
     modes = bench_modes(args.mode, args.device)
     config = _run_config(args, mode=modes[0])
     out = _output_dir(args.out)
-    report = run_bench(config, modes, timeout_s=args.timeout)
+    report = run_bench(config, modes, timeout_s=args.timeout, log=lambda line: print(line, file=sys.stderr, flush=True))
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     chart = write_chart(out, report)
     if args.json:

@@ -282,7 +282,12 @@ def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
 
 def test_bench_reports_every_mode_and_setting(capsys, tmp_path):
     assert main(["bench", "--json", "--steps", "40", "--out", str(tmp_path)]) == 0
-    report = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # stdout holds the JSON alone; progress goes to stderr
+    for mode in ("eager", "compiled"):
+        for stage in ("off, on_idle and the A/A twin, 40 steps each", "on_rearranging, a rearrangement every 10 steps",
+                      "done in"):
+            assert f"bench {mode}: {stage}" in captured.err
     settings = {(r["mode"], r["eplb"]) for r in report["results"]}
     assert settings == {(m, e) for m in ("eager", "compiled") for e in ("off", "on_idle", "on_rearranging")}
     for result in report["results"]:
@@ -321,7 +326,7 @@ def test_bench_runs_the_mode_asked_for(monkeypatch, capsys, tmp_path):
 
     asked = []
 
-    def fake_run_bench(config, modes, *, timeout_s):  # what reaches the bench is the subject
+    def fake_run_bench(config, modes, *, timeout_s, log):  # what reaches the bench is the subject
         asked.append((config.mode, modes, config.steps, config.step_interval, timeout_s, config.capture_sizes))
         return {"device": config.device, "ranks": config.ranks, "results": [], "ratios": {}}
 
