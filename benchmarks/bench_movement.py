@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from eplb_graph.run_report import percentile
+from eplb_graph.run_report import over_median, percentile
 
 
 def memcpy_gb_per_s(num_bytes: int = 64 << 20) -> float:
@@ -107,8 +107,6 @@ def rank_main(rank, world_size, init_method, spec_kwargs, steps, window, interva
     move_s = [s for s, _ in moves]
     move_mb = [b / 1e6 for _, b in moves]
     # no steady step when rearrangements run back to back (--interval within one's length)
-    steady_p50 = statistics.median(steady) if steady else None
-    compared = bool(rearranging) and steady_p50 is not None
     return {
         "rank": rank,
         "rearranging_ms": [round(v, 1) for v in rearranging],
@@ -121,13 +119,13 @@ def rank_main(rank, world_size, init_method, spec_kwargs, steps, window, interva
         "memcpy_mb_per_s": round(memcpy_gb_per_s() * 1e3, 1),
         "commit_ms_per_layer_p50": round(statistics.median(commit_steps) - statistics.median(steady_end), 3)
         if commit_steps and steady_end else None,
-        "steady_p50_ms": round(steady_p50, 3) if steady else None,
+        "steady_p50_ms": round(statistics.median(steady), 3) if steady else None,
         "steady_p99_ms": round(percentile(steady, 99), 3) if steady else None,
         "rearranging_p50_ms": round(statistics.median(rearranging), 3) if rearranging else None,
         "rearranging_p99_ms": round(percentile(rearranging, 99), 3) if rearranging else None,
         "sync_rearrange_step_ms_p50": round(statistics.median(sync_steps), 3),
-        "rearranging_p99_over_steady_p50": round(percentile(rearranging, 99) / steady_p50, 3) if compared else None,
-        "sync_step_over_steady_p50": round(statistics.median(sync_steps) / steady_p50, 3) if steady else None,
+        "rearranging_p99_over_steady_p50": over_median(rearranging, steady, 99),
+        "sync_step_over_steady_p50": over_median(sync_steps, steady),
     }
 
 

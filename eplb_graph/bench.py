@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from eplb_graph.launch import Heartbeat, run_ranks
-from eplb_graph.run_report import percentile
+from eplb_graph.run_report import over_median, percentile
 from eplb_graph.runner import (
     MODES,
     RunConfig,
@@ -183,10 +183,6 @@ def _entry(mode: str, eplb: str, steps: list[float], cfg: RunConfig, *, compile_
     }
 
 
-def median_ratio(numerator: list[float], denominator: list[float]) -> float:
-    return round(statistics.median(numerator) / statistics.median(denominator), 3)
-
-
 def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900,
               log: Callable[[str], None] | None = None) -> dict:
     """``base.steps`` per run and setting; ``base.step_interval``: how often the on_rearranging
@@ -227,22 +223,20 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
         results.extend(entries)
         idle_host = [ms for r in paired for ms in r["times"]["on_idle_eplb_host"]]
         ratios[mode] = {
-            "on_idle_over_off": median_ratio(idle_steps, off_steps),
+            "on_idle_over_off": over_median(idle_steps, off_steps),
             # off, on_idle and off_twin rotate step by step in the same processes: paired intervals
             "on_idle_over_off_ci95": [round(x, 3) for x in paired_ratio_interval(idle_steps, off_steps)],
             # the A/A yardstick: two identical EPLB-off models, what the harness reads when nothing differs
-            "off_twin_over_off": median_ratio(twin_steps, off_steps),
+            "off_twin_over_off": over_median(twin_steps, off_steps),
             "off_twin_over_off_ci95": [round(x, 3) for x in paired_ratio_interval(twin_steps, off_steps)],
             "on_idle_eplb_host_p50_ms": round(statistics.median(idle_host), 3),  # begin_batch + end_batch
             # null where the run had none of either: no rearrangement (--interval past --steps), or
             # no steady step (rearrangements back to back: --interval within a rearrangement's length)
-            "rearranging_p99_over_steady_p50": round(percentile(rearranging, 99) / statistics.median(steady), 3)
-            if rearranging and steady else None,
+            "rearranging_p99_over_steady_p50": over_median(rearranging, steady, 99),
             # the same run's steady steps against themselves: what the ratio above would read if a
             # rearrangement cost nothing (this machine's own tail), and the typical rearranging step
-            "steady_p99_over_steady_p50": round(percentile(steady, 99) / statistics.median(steady), 3) if steady else None,
-            "rearranging_p50_over_steady_p50": round(statistics.median(rearranging) / statistics.median(steady), 3)
-            if rearranging and steady else None,
+            "steady_p99_over_steady_p50": over_median(steady, steady, 99),
+            "rearranging_p50_over_steady_p50": over_median(rearranging, steady),
             "rearranging_decode_steps": len(rearranging),
             "steady_decode_steps": len(steady),
             "steady_p50_ms": round(statistics.median(steady), 3) if steady else None,

@@ -25,6 +25,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
+def over_median(numerator: list[float], denominator: list[float], q: float = 50) -> float | None:
+    """The numerator steps' q-th percentile (their median at 50) over the denominator steps'
+    median, to 3 places; None where either has no step."""
+    if not numerator or not denominator:
+        return None
+    top = statistics.median(numerator) if q == 50 else percentile(numerator, q)
+    return round(top / statistics.median(denominator), 3)
+
+
 def balancedness(per_rank: torch.Tensor) -> float:
     """mean / max of the load over ranks (the last dim), averaged over any leading dims (layers)."""
     per_rank = per_rank.double()
@@ -56,6 +65,7 @@ def without_eplb_rank_load(logical_steps: torch.Tensor, ranks: int) -> torch.Ten
 def summarize(cfg, results: list[dict]) -> dict:
     first = results[0]  # loads are global (all-reduced), identical on every rank
     step_ms = [ms for r in results for ms in r["step_ms"]]
+    tolerance = cfg.output_tolerance
     report = {
         "mode": cfg.mode,
         "device": cfg.device,
@@ -74,8 +84,8 @@ def summarize(cfg, results: list[dict]) -> dict:
         "layers_committed": min(r["layers_committed"] for r in results),
         "output_mismatches": sum(r["output_mismatches"] for r in results),
         "max_abs_diff": max(r["max_abs_diff"] for r in results),
-        "tolerance": cfg.output_tolerance,
-        "output_check": "exact" if cfg.output_tolerance == 0 else f"allclose(rtol=atol={cfg.output_tolerance:g})",
+        "tolerance": tolerance,
+        "output_check": "exact" if tolerance == 0 else f"allclose(rtol=atol={tolerance:g})",
         "recompiles": max(r["recompiles"] for r in results),
         "recaptures": None if any(r["recaptures"] is None for r in results) else max(r["recaptures"] for r in results),
         "verifier_ok": all(r["verifier_ok"] for r in results),

@@ -5,6 +5,7 @@ import torch
 
 from eplb_graph.run_report import (
     failed_invariants,
+    over_median,
     summarize,
     trailing_balancedness,
     windowed_balancedness,
@@ -51,3 +52,10 @@ def test_a_run_shorter_than_one_window_reports_json_numbers():
     assert report["balancedness_without_eplb"] == 1.0  # 16 experts spread evenly over 2 ranks
     assert report["balancedness_before"] == round((4 / 5 + 1.0) / 2, 4) and report["balancedness_after"] is None
     json.dumps(report, allow_nan=False)
+
+
+def test_over_median_is_none_without_steps_on_either_side():
+    steady, busy = [2.0, 2.0, 4.0, 3.0], [3.0, 5.0, 9.0]
+    assert over_median(busy, steady) == 2.0  # median 5 over median 2.5
+    assert over_median(busy, steady, 99) == 3.6  # the slowest busy step, 9, over 2.5
+    assert over_median([], steady) is None and over_median(busy, []) is None
