@@ -62,6 +62,17 @@ def without_eplb_rank_load(logical_steps: torch.Tensor, ranks: int) -> torch.Ten
     return out.index_add_(2, owner, logical_steps)
 
 
+def first_mismatch(results: list[dict]) -> dict:
+    """The earliest mismatching step over ranks, and whether a rearrangement was in flight there
+    (a move or commit bug shows first right after a commit); None for both without a mismatch."""
+    firsts = [r for r in results if r["first_mismatch_step"] is not None]
+    if not firsts:
+        return {"first_mismatch_step": None, "first_mismatch_during_rearrangement": None}
+    earliest = min(firsts, key=lambda r: r["first_mismatch_step"])
+    return {"first_mismatch_step": earliest["first_mismatch_step"],
+            "first_mismatch_during_rearrangement": earliest["first_mismatch_rebalancing"]}
+
+
 def summarize(cfg, results: list[dict]) -> dict:
     first = results[0]  # loads are global (all-reduced), identical on every rank
     step_ms = [ms for r in results for ms in r["step_ms"]]
@@ -83,6 +94,8 @@ def summarize(cfg, results: list[dict]) -> dict:
         "rearrangements_started": min(r["rearrangements_started"] for r in results),
         "layers_committed": min(r["layers_committed"] for r in results),
         "output_mismatches": sum(r["output_mismatches"] for r in results),
+        **first_mismatch(results),
+        "nonfinite_output_steps": sum(r["nonfinite_output_steps"] for r in results),
         "max_abs_diff": max(r["max_abs_diff"] for r in results),
         "tolerance": tolerance,
         "output_check": "exact" if tolerance == 0 else f"allclose(rtol=atol={tolerance:g})",
@@ -117,7 +130,13 @@ def summarize(cfg, results: list[dict]) -> dict:
 def failed_invariants(report: dict) -> list[str]:
     problems = []
     if report["output_mismatches"]:
-        problems.append(f"{report['output_mismatches']} step(s) whose output differs from the no-EPLB reference")
+        where = "during a rearrangement" if report["first_mismatch_during_rearrangement"] else "no rearrangement in flight"
+        nonfinite = report["nonfinite_output_steps"]
+        problems.append(
+            f"{report['output_mismatches']} step(s) whose output differs from the no-EPLB reference "
+            f"(first at step {report['first_mismatch_step']}, {where})"
+            + (f"; {nonfinite} of them with NaN/Inf where the reference is finite" if nonfinite else "")
+        )
     if report["recompiles"]:
         problems.append(f"{report['recompiles']} recompile(s) after warm-up")
     if report["recaptures"]:

@@ -151,13 +151,38 @@ class RankResult:
     rearrangements_started: int = 0
     rearrangements_finished: int = 0
     output_mismatches: int = 0
-    max_abs_diff: float = 0.0
+    first_mismatch_step: int | None = None
+    first_mismatch_rebalancing: bool | None = None  # a rearrangement in flight at that step
+    nonfinite_output_steps: int = 0  # steps with NaN/Inf outputs where the reference is finite
+    max_abs_diff: float = 0.0  # over the entries finite in both
     recompiles: int = 0
     recaptures: int | None = None  # None: this mode captures no graphs (every mode on CPU)
     compile_or_capture_s: float = 0.0
     verifier_ok: bool = True
     routers_mapped: int = 0
     tokens: int = 0
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    ok: bool
+    max_abs_diff: float  # over the entries finite in both outputs
+    nonfinite: bool  # the EPLB output has NaN/Inf where the reference is finite
+
+
+def check_output(out: torch.Tensor, expected: torch.Tensor, tolerance: float) -> OutputCheck:
+    """One step's output against the no-EPLB reference. At tolerance 0 this is exact equality
+    (0.0 and -0.0 compare equal); NaN where the reference has NaN too counts as equal (the
+    model's, not EPLB's), and a NaN or Inf only in ``out`` is a mismatch that ``max_abs_diff``
+    alone would hide (NaN compares false), so it is flagged on its own."""
+    finite_out, finite_expected = torch.isfinite(out), torch.isfinite(expected)
+    both = finite_out & finite_expected
+    diff = (out - expected).abs()[both]
+    return OutputCheck(
+        ok=torch.allclose(out, expected, rtol=tolerance, atol=tolerance, equal_nan=True),
+        max_abs_diff=float(diff.max()) if diff.numel() else 0.0,
+        nonfinite=bool((finite_expected & ~finite_out).any()),
+    )
 
 
 def rank_device(cfg: RunConfig) -> torch.device:
@@ -398,13 +423,14 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig, heart
                         f"{stats.rearrangements_finished}  layers committed {stats.layers_committed}"
                     )
             if cfg.check_outputs:
-                expected = reference(tokens)
                 real = slice(0, batch.num_tokens)
-                diff = float((out[:, real] - expected[:, real]).abs().max())
-                result.max_abs_diff = max(result.max_abs_diff, diff)
-                # at tolerance 0 this is exact equality (0.0 and -0.0 compare equal)
-                if not torch.allclose(out[:, real], expected[:, real], rtol=tolerance, atol=tolerance):
+                check = check_output(out[:, real], reference(tokens)[:, real], tolerance)
+                result.max_abs_diff = max(result.max_abs_diff, check.max_abs_diff)
+                result.nonfinite_output_steps += check.nonfinite
+                if not check.ok:
                     result.output_mismatches += 1
+                    if result.first_mismatch_step is None:  # where to look: the step, and whether a move was in flight
+                        result.first_mismatch_step, result.first_mismatch_rebalancing = step, busy
 
         if graphs_after_warmup is not None:
             result.recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_after_warmup

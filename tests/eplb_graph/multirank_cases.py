@@ -192,6 +192,26 @@ def run_rank_losing_weight_moves(rank, world_size, init_method, cfg):
     return runner.run_rank(rank, world_size, init_method, cfg)
 
 
+def run_rank_with_nan_weight_moves(rank, world_size, init_method, cfg):
+    """The runtime's rank body with every expert slot a commit changes overwritten with NaN
+    after upstream's buffer-to-weights copy (a corrupt weight move)."""
+    import vllm.distributed.eplb.eplb_state as eplb_state
+
+    from eplb_graph import runner
+
+    move_from_buffer = eplb_state.move_from_buffer
+
+    def move_then_poison(expert_weights, expert_weights_buffers, transfer_metadata, new_indices, ep_rank):
+        move_from_buffer(expert_weights, expert_weights_buffers, transfer_metadata, new_indices, ep_rank)
+        changed = torch.from_numpy(~transfer_metadata.is_unchanged)  # [local slots]
+        for weight in expert_weights:
+            if weight.is_floating_point():
+                weight[changed] = float("nan")
+
+    eplb_state.move_from_buffer = move_then_poison
+    return runner.run_rank(rank, world_size, init_method, cfg)
+
+
 def close_mid_rearrangement(rank, world_size, init_method):
     """Steps until a rearrangement is under way, then closes the controller at once."""
     from eplb_graph.ep_runtime import build_rank_stack, skewed_batch

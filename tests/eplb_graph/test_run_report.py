@@ -5,6 +5,7 @@ import torch
 
 from eplb_graph.run_report import (
     failed_invariants,
+    first_mismatch,
     over_median,
     summarize,
     trailing_balancedness,
@@ -28,10 +29,14 @@ def test_without_eplb_places_logical_experts_contiguously():
 
 
 def test_failed_invariants_name_each_problem():
-    report = {"output_mismatches": 2, "recompiles": 1, "recaptures": 0, "verifier_ok": False, "mode": "compiled",
+    report = {"output_mismatches": 2, "first_mismatch_step": 41, "first_mismatch_during_rearrangement": True,
+              "nonfinite_output_steps": 1, "recompiles": 1, "recaptures": 0, "verifier_ok": False, "mode": "compiled",
               "num_physical_experts": 20, "eplb": True, "routers_mapped": 1, "num_layers": 2}
     problems = failed_invariants(report)
-    assert any("2 step(s) whose output differs" in p for p in problems)
+    assert ("2 step(s) whose output differs from the no-EPLB reference (first at step 41, during a rearrangement); "
+            "1 of them with NaN/Inf where the reference is finite") in problems
+    steady = failed_invariants(dict(report, first_mismatch_during_rearrangement=False, nonfinite_output_steps=0))
+    assert "2 step(s) whose output differs from the no-EPLB reference (first at step 41, no rearrangement in flight)" in steady
     assert any("1 recompile(s)" in p for p in problems)
     assert any("verifier failed" in p for p in problems)
     assert any("mapped 1 of 2 routers" in p for p in problems)
@@ -59,3 +64,12 @@ def test_over_median_is_none_without_steps_on_either_side():
     assert over_median(busy, steady) == 2.0  # median 5 over median 2.5
     assert over_median(busy, steady, 99) == 3.6  # the slowest busy step, 9, over 2.5
     assert over_median([], steady) is None and over_median(busy, []) is None
+
+
+def test_first_mismatch_is_the_earliest_over_ranks():
+    rank0 = {"first_mismatch_step": 12, "first_mismatch_rebalancing": False}
+    rank1 = {"first_mismatch_step": 9, "first_mismatch_rebalancing": True}
+    clean = {"first_mismatch_step": None, "first_mismatch_rebalancing": None}
+    assert first_mismatch([rank0, clean, rank1]) == {"first_mismatch_step": 9, "first_mismatch_during_rearrangement": True}
+    assert first_mismatch([clean, clean]) == {"first_mismatch_step": None, "first_mismatch_during_rearrangement": None}
+

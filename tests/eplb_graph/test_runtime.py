@@ -9,7 +9,7 @@ import torch
 from eplb_graph.cli import main
 from eplb_graph.launch import RankFailure, run_ranks
 from eplb_graph.run_report import failed_invariants, summarize
-from eplb_graph.runner import RunConfig
+from eplb_graph.runner import OutputCheck, RunConfig, check_output
 from eplb_graph.weight_views import expert_format
 from eplb_graph.workload import WorkloadSpec, capture_size_for, make_batch
 from tests.eplb_graph import multirank_cases
@@ -72,13 +72,31 @@ def test_quantized_format_runs_under_compile(capsys, tmp_path):
 @pytest.mark.parametrize("weight_format", ["unquantized", "w4a8"])
 def test_the_output_check_catches_a_lost_weight_move(weight_format):
     """The per-step check against the no-EPLB model fails a run whose commits publish
-    placements without their weights, by far more than even a compiled run's tolerance."""
+    placements without their weights, by far more than even a compiled run's tolerance,
+    and points at the first rearrangement."""
     cfg = RunConfig(mode="eager", steps=30, step_interval=10, window_size=10, weight_format=weight_format)
     results = run_ranks(multirank_cases.run_rank_losing_weight_moves, 2, cfg, timeout_s=300)
     report = summarize(cfg, results)
     assert report["layers_committed"] >= 2 and report["tolerance"] == 0  # eager: exact
     assert report["output_mismatches"] > 0 and report["max_abs_diff"] > 10 * expert_format(weight_format).output_tolerance
-    assert any("differs from the no-EPLB reference" in problem for problem in failed_invariants(report))
+    # the first wrong output is the forward after a commit: inside the first rearrangement
+    assert report["first_mismatch_during_rearrangement"] is True
+    assert 0 < report["first_mismatch_step"] <= report["rearrangement_finished_steps"][0] + 1
+    assert report["nonfinite_output_steps"] == 0
+    assert any(f"(first at step {report['first_mismatch_step']}, during a rearrangement)" in problem
+               for problem in failed_invariants(report))
+
+
+def test_a_weight_move_that_writes_nan_is_named_as_such():
+    """Moved experts that arrive as NaN: every later step mismatches; the report says NaN, where
+    the max |diff| over finite entries alone would look small."""
+    cfg = RunConfig(mode="eager", steps=30, step_interval=10, window_size=10)
+    results = run_ranks(multirank_cases.run_rank_with_nan_weight_moves, 2, cfg, timeout_s=300)
+    report = summarize(cfg, results)
+    assert report["output_mismatches"] > 0 and report["first_mismatch_during_rearrangement"] is True
+    assert report["nonfinite_output_steps"] == report["output_mismatches"]
+    assert json.loads(json.dumps(report, allow_nan=False))["max_abs_diff"] == report["max_abs_diff"]  # strict JSON
+    assert any("with NaN/Inf where the reference is finite" in problem for problem in failed_invariants(report))
 
 
 def test_run_with_the_policy_in_helper_processes(capsys, tmp_path):
@@ -387,3 +405,20 @@ def test_bench_table_shows_each_ratio_beside_its_target_and_yardstick():
     assert row["rearranging p99 / steady p50"].endswith("4.493  <= 1.15 (missed, missed)")
     assert row["rearranging p50 / steady p50"].endswith("n/a")
     assert lines[-1].startswith("graph speedup over eager") and lines[-1].endswith("2.900")
+
+
+def test_output_check_flags_nan_and_inf_that_a_max_diff_would_hide():
+    expected = torch.tensor([[1.0, -2.0, 3.0]])
+    assert check_output(expected.clone(), expected, 0.0) == OutputCheck(ok=True, max_abs_diff=0.0, nonfinite=False)
+    off = torch.tensor([[1.0, -2.0, 3.5]])
+    assert check_output(off, expected, 0.0) == OutputCheck(ok=False, max_abs_diff=0.5, nonfinite=False)
+    assert check_output(off, expected, 0.2).ok  # rtol = atol = 0.2: |0.5| <= 0.2 + 0.2 * 3
+    nan = torch.tensor([[1.0, float("nan"), 3.25]])
+    # NaN compares false, so max() alone would have reported 0.25 and no sign of the NaN
+    assert check_output(nan, expected, 0.0) == OutputCheck(ok=False, max_abs_diff=0.25, nonfinite=True)
+    inf = torch.tensor([[float("inf"), -2.0, 3.0]])
+    assert check_output(inf, expected, 1.0) == OutputCheck(ok=False, max_abs_diff=0.0, nonfinite=True)
+    # the reference's own NaN, reproduced, is the model's and equal; -0.0 equals 0.0 exactly
+    both_nan = torch.tensor([[float("nan"), 0.0]])
+    assert check_output(both_nan.clone(), both_nan, 0.0).ok
+    assert check_output(torch.tensor([[-0.0]]), torch.tensor([[0.0]]), 0.0).ok
