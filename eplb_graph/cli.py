@@ -189,8 +189,9 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode:
     parser.add_argument("--interval", type=int, default=interval,
                         help="EPLB step interval (= load window), in steps; bench: of its on_rearranging run")
     parser.add_argument("--timeout", type=float, default=900,
-                        help="seconds a rank may go without finishing a step (its start-up and compile included) before "
-                             "it is declared stuck; a run may take any time as long as its ranks keep stepping")
+                        help="seconds a rank may go without finishing a step (its compile included) before it is "
+                             "declared stuck, and may take to start (spawn, imports); a run may take any time as long "
+                             "as its ranks keep stepping")
     parser.add_argument("--policy-process", action="store_true",
                         help="run upstream's rebalancing policy in a helper process per rank, off the serving GIL")
     parser.add_argument("--out", default="out")

@@ -7,13 +7,16 @@ stopped, never left hanging. Ctrl-C in the launcher stops every rank too.
 
 Silent means no heartbeat: a rank function that beats (once per step, say) may run as long
 as it keeps beating, so a long run is not mistaken for a stuck one; one that never beats
-has the timeout for its whole run.
+has the timeout for its whole run. Each rank's clock starts when its process enters the
+rank function: before that, spawning it and importing what it needs (seconds, and several
+times that on a loaded machine) has its own bound, ``startup_timeout_s``.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import inspect
+import math
 import queue
 import signal
 import socket
@@ -37,10 +40,14 @@ class Heartbeat:
 
     def __init__(self, ctx) -> None:
         # CLOCK_MONOTONIC is system-wide on Linux: the launcher compares it with its own clock
-        self._last = ctx.Value("d", time.monotonic(), lock=False)
+        self._last = ctx.Value("d", math.nan, lock=False)  # NaN: the rank has not started yet
 
     def beat(self) -> None:
         self._last.value = time.monotonic()
+
+    @property
+    def started(self) -> bool:
+        return not math.isnan(self._last.value)
 
     def silent_for(self) -> float:
         return time.monotonic() - self._last.value
@@ -52,7 +59,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world_size: int, init_method: str, args: tuple, kwargs: dict, results) -> None:
+def _entry(fn: Callable, rank: int, world_size: int, init_method: str, args: tuple, kwargs: dict, results,
+           alive: Heartbeat) -> None:
+    alive.beat()  # spawned and imported: from here on silence counts
     faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack
     # Ctrl-C reaches the whole process group; the launcher answers it and stops every rank, so a
     # rank does not report its own interruption as a failure first
@@ -66,8 +75,11 @@ def _entry(fn: Callable, rank: int, world_size: int, init_method: str, args: tup
         raise SystemExit(1) from None
 
 
-def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 180.0) -> list:
-    """``timeout_s``: how long a rank may go without a heartbeat (see the module text)."""
+def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 180.0,
+              startup_timeout_s: float | None = None) -> list:
+    """``timeout_s``: how long a rank may go without a heartbeat once it runs ``fn``;
+    ``startup_timeout_s`` (default: ``timeout_s``): how long its process may take to get there."""
+    startup_timeout_s = timeout_s if startup_timeout_s is None else startup_timeout_s
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -75,13 +87,13 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 180.0) ->
     takes_heartbeat = "heartbeat" in inspect.signature(fn).parameters
     processes = [
         ctx.Process(target=_entry, daemon=True, args=(fn, rank, world_size, init_method, args,
-                                                      {"heartbeat": beats[rank]} if takes_heartbeat else {}, results))
+                                                      {"heartbeat": beats[rank]} if takes_heartbeat else {}, results,
+                                                      beats[rank]))
         for rank in range(world_size)
     ]
     for process in processes:
         process.start()
-    for beat in beats:  # the clock starts now, not at construction
-        beat.beat()
+    launched = time.monotonic()
     done: dict[int, object] = {}
     failures: dict[int, str] = {}
     try:
@@ -100,12 +112,15 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 180.0) ->
                         (done if ok else failures)[r] = value
                     except queue.Empty:
                         failures[rank] = f"process died with exit code {process.exitcode}"
-            silent = [rank for rank in range(world_size)
-                      if rank not in done and rank not in failures and beats[rank].silent_for() > timeout_s]
-            if silent:
-                for rank in silent:
+            running = [rank for rank in range(world_size) if rank not in done and rank not in failures]
+            for rank in running:
+                if not beats[rank].started:
+                    if time.monotonic() - launched > startup_timeout_s:
+                        failures[rank] = f"not started after {startup_timeout_s:.0f} s (spawning the process, imports)"
+                elif beats[rank].silent_for() > timeout_s:
                     failures[rank] = (f"no heartbeat for {timeout_s:.0f} s (stuck)" if takes_heartbeat
                                       else f"still running after {timeout_s:.0f} s")
+            if failures.keys() & set(running):
                 break
     finally:  # also on Ctrl-C in the launcher: no rank outlives it
         for process in processes:

@@ -15,13 +15,15 @@ def beat_for(rank, world_size, init_method, seconds, every_s, heartbeat):
 
 
 def beat_then_hang(rank, world_size, init_method, hang_rank, heartbeat):
-    """Every rank beats for a while; `hang_rank` then stops beating (stuck), the others finish."""
+    """Every rank beats for a while; `hang_rank` then stops beating (stuck), the others finish
+    and return when they started (the monotonic clock is system-wide)."""
+    started = time.monotonic()
     for _ in range(5):
         time.sleep(0.1)
         heartbeat.beat()
     if rank == hang_rank:
         time.sleep(3600)
-    return rank
+    return started
 
 
 def never_beat(rank, world_size, init_method, seconds):
