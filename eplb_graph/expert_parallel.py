@@ -2,8 +2,9 @@
 
 Each EP rank holds ``num_physical / ep_size`` consecutive physical experts. Token dispatch
 is all-gather / all-reduce: every rank gathers all ranks' tokens, physical ids and routing
-weights, computes the (token, k) pairs its local experts own, and an all-reduce sums the
-partial outputs (gloo has no reduce-scatter); each rank keeps its own tokens' rows.
+weights, runs its local experts over all gathered tokens (static shapes), keeps the (token,
+k) pairs its experts own, and an all-reduce sums the partial outputs (gloo has no
+reduce-scatter); each rank keeps its own tokens' rows.
 """
 
 from __future__ import annotations
@@ -147,14 +148,15 @@ class ExpertParallelMoE(nn.Module):
         weights, expert_ids = self.gate(tokens)  # [T, K] each
         if self.route_in_module:
             expert_ids = torch.ops.eplb_graph.map_and_record_layer(expert_ids, self.layer_key)  # [T, K] physical
-        top_k = expert_ids.shape[1]
         all_x, all_weights, all_ids = self._gather_all(tokens, weights, expert_ids)  # [W*T, H], [W*T, K] x2
         num_local = self.experts.num_experts
         local = all_ids - self.ep_rank * num_local  # [W*T, K]
         mine = (local >= 0) & (local < num_local)
-        pairs = self.experts(all_x.repeat_interleave(top_k, dim=0), local.clamp(0, num_local - 1).reshape(-1))
+        per_expert = self.experts(all_x)  # [E_local, W*T, H]: every local expert on every token
+        token_index = torch.arange(all_x.shape[0], device=all_x.device).unsqueeze(1)  # [W*T, 1]
+        pairs = per_expert[local.clamp(0, num_local - 1), token_index]  # [W*T, K, H]
         # each (token, k) pair is computed by one rank and is exactly zero on the others
-        contributions = (pairs * (all_weights * mine).reshape(-1, 1)).view(-1, top_k, shape[-1])  # [W*T, K, H]
+        contributions = pairs * (all_weights * mine).unsqueeze(-1)  # [W*T, K, H]
         if self.ep_size > 1:
             # summing a value with zeros is exact, so this rank's pairs arrive bit for bit whatever
             # the placement; the k-sum below then adds them in one process's order

@@ -7,6 +7,14 @@ Its ``forward`` (a plain torch reference kernel) reads the very same tensors, so
 moved expert is what the next forward computes with. ``dequantized()`` recovers float
 weights for comparisons.
 
+The kernel runs every local expert on every token, [N, H] -> [E, N, H], as batched GEMMs
+over the expert dim: the shapes are static (capture needs that), each expert's weights are
+read once per forward, and the caller picks the (token, expert) rows its routing chose. The
+alternative, gathering each (token, k) pair's weights (gpt-fast's decode kernel), copies
+3 * I * H weights per pair and cost 13x (width 64) to 40x (width 512) more here. A row of
+a GEMM does not depend on how many rows it has (checked in the tests), which keeps the EP
+model, on all ranks' tokens, exactly equal to the one-process reference on its own.
+
     unquantized   w13 [E, 2I, H], w2 [E, H, I] (+ optional b13 [E, 2I], b2 [E, H])
     w8a8_dynamic  int8 w13/w2 with per-output-channel scales; activations quantised
                   per token at run time
@@ -41,8 +49,8 @@ class ExpertWeights(nn.Module):
     def weight_view(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.view_names]
 
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """x: [S, H] one row per (token, k) pair; expert_ids: [S] local slots -> [S, H]."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, H] tokens -> [E, N, H]: every local expert's output for every token."""
         raise NotImplementedError
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,8 +71,19 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _batched_matvec(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.bmm(weight, x.unsqueeze(-1)).squeeze(-1)  # [S, O, I] x [S, I] -> [S, O]
+# The host's sgemm takes another path for fewer than 4 rows, whose sums round differently
+# (measured: rows equal for every M from 4 to 128, not for 1-3), so a token's output would
+# depend on its batch's size; smaller batches are padded to this many rows.
+MIN_GEMM_ROWS = 4
+
+
+def _per_expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [N, I] (or [E, N, I]) through every expert's weight [E, O, I] -> [E, N, O]."""
+    rows = x.shape[-2]
+    if rows >= MIN_GEMM_ROWS:
+        return torch.matmul(x, weight.transpose(1, 2))
+    padded = F.pad(x, (0, 0, 0, MIN_GEMM_ROWS - rows))  # zero rows, dropped below
+    return torch.matmul(padded, weight.transpose(1, 2))[..., :rows, :]
 
 
 class UnquantizedExperts(ExpertWeights):
@@ -85,13 +104,13 @@ class UnquantizedExperts(ExpertWeights):
     def from_float(cls, w13, w2, *, bias: bool = False, b13=None, b2=None):
         return cls(w13, w2, b13 if bias else None, b2 if bias else None)
 
-    def forward(self, x, expert_ids):
-        hidden = _batched_matvec(self.w13[expert_ids], x)  # [S, 2I]
+    def forward(self, x):
+        hidden = _per_expert_linear(x, self.w13)  # [E, N, 2I]
         if "b13" in self.view_names:
-            hidden = hidden + self.b13[expert_ids]
-        out = _batched_matvec(self.w2[expert_ids], _swiglu(hidden))  # [S, H]
+            hidden = hidden + self.b13.unsqueeze(1)
+        out = _per_expert_linear(_swiglu(hidden), self.w2)  # [E, N, H]
         if "b2" in self.view_names:
-            out = out + self.b2[expert_ids]
+            out = out + self.b2.unsqueeze(1)
         return out
 
     def dequantized(self):
@@ -106,7 +125,7 @@ def _quantize_per_channel(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, t
 
 
 def _quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-row int8: x [S, I] -> (x_q as float [S, I], scale [S, 1])."""
+    """Dynamic per-row int8: x [..., I] -> (x_q as float [..., I], scale [..., 1])."""
     scale = (x.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(1e-8)
     return torch.round(x / scale).clamp(-127, 127), scale
 
@@ -126,14 +145,14 @@ class W8A8DynamicExperts(ExpertWeights):
         return cls(*_quantize_per_channel(w13.float(), 127), *_quantize_per_channel(w2.float(), 127))
 
     @staticmethod
-    def _linear(x, q, scale):  # x [S, I]; q [S, O, I] int8; scale [S, O]
+    def _linear(x, q, scale):  # x [N, I] or [E, N, I]; q [E, O, I] int8; scale [E, O] -> [E, N, O]
         x_q, x_scale = _quantize_activations(x)
         # int8 x int8 products summed exactly in float32 (|sum| < 2^24 for these sizes)
-        return _batched_matvec(q.float(), x_q) * x_scale * scale
+        return _per_expert_linear(x_q, q.float()) * x_scale * scale.unsqueeze(1)
 
-    def forward(self, x, expert_ids):
-        hidden = self._linear(x.float(), self.w13_q[expert_ids], self.w13_scale[expert_ids])
-        return self._linear(_swiglu(hidden), self.w2_q[expert_ids], self.w2_scale[expert_ids]).to(x.dtype)
+    def forward(self, x):
+        hidden = self._linear(x.float(), self.w13_q, self.w13_scale)  # [E, N, 2I]
+        return self._linear(_swiglu(hidden), self.w2_q, self.w2_scale).to(x.dtype)  # [E, N, H]
 
     def dequantized(self):
         return self.w13_q.float() * self.w13_scale.unsqueeze(-1), self.w2_q.float() * self.w2_scale.unsqueeze(-1)
@@ -185,16 +204,15 @@ class W4A8Experts(ExpertWeights):
         return cls(*cls._quantize(w13.float()), *cls._quantize(w2.float()))
 
     @staticmethod
-    def _linear(x, packed, scale, scale_bias):  # x [S, I]
+    def _linear(x, packed, scale, scale_bias):  # x [N, I] or [E, N, I]; packed [E, O, I/2] -> [E, N, O]
         x_q, x_scale = _quantize_activations(x)
-        q = unpack_int4(packed).float()  # [S, O, I]
-        return _batched_matvec(q, x_q) * x_scale * scale + scale_bias * x.sum(-1, keepdim=True)
+        q = unpack_int4(packed).float()  # [E, O, I]
+        return (_per_expert_linear(x_q, q) * x_scale * scale.unsqueeze(1)
+                + scale_bias.unsqueeze(1) * x.sum(-1, keepdim=True))
 
-    def forward(self, x, expert_ids):
-        w13 = [t[expert_ids] for t in (self.w13_packed, self.w13_scale, self.w13_scale_bias)]
-        w2 = [t[expert_ids] for t in (self.w2_packed, self.w2_scale, self.w2_scale_bias)]
-        hidden = self._linear(x.float(), *w13)
-        return self._linear(_swiglu(hidden), *w2).to(x.dtype)
+    def forward(self, x):
+        hidden = self._linear(x.float(), self.w13_packed, self.w13_scale, self.w13_scale_bias)  # [E, N, 2I]
+        return self._linear(_swiglu(hidden), self.w2_packed, self.w2_scale, self.w2_scale_bias).to(x.dtype)
 
     def dequantized(self):
         def dq(packed, scale, bias):
