@@ -12,8 +12,9 @@ over the expert dim: the shapes are static (capture needs that), each expert's w
 read once per forward, and the caller picks the (token, expert) rows its routing chose. The
 alternative, gathering each (token, k) pair's weights (gpt-fast's decode kernel), copies
 3 * I * H weights per pair and cost 13x (width 64) to 40x (width 512) more here. A row of
-a GEMM does not depend on how many rows it has (checked in the tests), which keeps the EP
-model, on all ranks' tokens, exactly equal to the one-process reference on its own.
+a GEMM does not depend on how many rows it has (from 4 rows; fewer are padded, see
+MIN_GEMM_ROWS; checked in the tests), which keeps the EP model, on all ranks' tokens,
+exactly equal to the one-process reference on its own.
 
     unquantized   w13 [E, 2I, H], w2 [E, H, I] (+ optional b13 [E, 2I], b2 [E, H])
     w8a8_dynamic  int8 w13/w2 with per-output-channel scales; activations quantised
