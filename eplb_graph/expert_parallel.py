@@ -9,6 +9,9 @@ reduce-scatter); each rank keeps its own tokens' rows.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -18,6 +21,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from eplb_graph.weight_views import ExpertWeights
+
+
+# Building a VllmConfig runs the platform's checks for vLLM's own model runner, whose warnings
+# (no Triton for the V2 runner, the mamba state dtype) do not apply to bare EP groups; every
+# rank printed three of them on each run.
+MODEL_RUNNER_CHECK_LOGGERS = ("vllm.platforms.cpu", "vllm.config.vllm")
+
+
+@contextlib.contextmanager
+def _quiet_model_runner_checks() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in MODEL_RUNNER_CHECK_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def init_expert_parallel(
@@ -46,7 +68,8 @@ def init_expert_parallel(
     from vllm.config.parallel import EPLBConfig
     from vllm.distributed import parallel_state
 
-    config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=world_size, enable_expert_parallel=True))
+    with _quiet_model_runner_checks():
+        config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=world_size, enable_expert_parallel=True))
     config.parallel_config.enable_eplb = True
     config.parallel_config.eplb_config = EPLBConfig(
         window_size=window_size,
