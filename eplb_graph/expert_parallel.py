@@ -22,7 +22,6 @@ from torch import nn
 
 from eplb_graph.weight_views import ExpertWeights
 
-
 # Building a VllmConfig runs the platform's checks for vLLM's own model runner, whose warnings
 # (no Triton for the V2 runner, the mamba state dtype) do not apply to bare EP groups; every
 # rank printed three of them on each run.
