@@ -251,6 +251,7 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
         )
     return {
         "device": base.device,
+        "expert_kernel": base.expert_kernel,
         "ranks": base.ranks,
         "steps_per_run": base.steps,
         "decode_tokens_per_rank": base.decode_tokens,

@@ -75,7 +75,7 @@ def _run_config(args: argparse.Namespace, **overrides):
         seed=args.seed, step_interval=args.interval, window_size=args.interval, hidden=args.hidden,
         expert_intermediate=args.intermediate, shared_expert_intermediate=args.intermediate,
         decode_tokens=args.decode_tokens, prefill_tokens=args.prefill_tokens, capture_sizes=args.capture_sizes,
-        policy_process=args.policy_process,
+        policy_process=args.policy_process, expert_kernel=args.expert_kernel,
     )
     fields.update(overrides)
     config = RunConfig(**fields)
@@ -173,6 +173,11 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--format", default="unquantized", help="unquantized | w8a8_dynamic | w4a8")
+    parser.add_argument("--expert-kernel", default="pairs",
+                        help="pairs: each (token, k) pair through its expert's gathered weights, work grows with the "
+                             "pairs as in a fused MoE kernel; dense: every local expert over every token as GEMMs, "
+                             "much faster at width, but redundant slots add work (use it for wide models, not for "
+                             "EPLB-on / EPLB-off ratios)")
     parser.add_argument("--experts", type=int, default=16, help="logical experts per layer")
     parser.add_argument("--redundant", type=int, default=4, help="redundant experts per layer")
     parser.add_argument("--top-k", type=int, default=4)

@@ -16,7 +16,7 @@ from eplb_graph.controller import EplbController, RankLayer
 from eplb_graph.expert_parallel import ExpertParallelMoE, LinearTopKRouter, reference_moe
 from eplb_graph.layer_lookup import BatchFlags, LayerLookup, check_expert_layout, initial_placement
 from eplb_graph.upstream_compat import EplbWorkerError
-from eplb_graph.weight_views import ExpertWeights, check_weight_view, expert_format
+from eplb_graph.weight_views import ExpertWeights, check_expert_kernel, check_weight_view, expert_format
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class StackSpec:
     top_k: int = 2
     tokens_per_rank: int = 16
     weight_format: str = "unquantized"
+    expert_kernel: str = "pairs"  # see weight_views
     seed: int = 0
 
     @property
@@ -42,6 +43,7 @@ class StackSpec:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         fmt.check_dims(self.hidden, self.intermediate)
+        check_expert_kernel(self.expert_kernel)
         check_expert_layout(self.num_logical, self.num_redundant, self.top_k, ep_size)
 
 
@@ -85,7 +87,7 @@ class RankStack:
             for layer, (router, logical_experts) in zip(self.layers, self.references):
                 out = layer(x)
                 if check:
-                    expected = reference_moe(x, router, logical_experts, self.spec.top_k)
+                    expected = reference_moe(x, router, logical_experts, self.spec.top_k, self.spec.expert_kernel)
                     self.max_abs_diff.append(float((out - expected).abs().max()))
                 x = x + out
             self.controller.end_batch()
@@ -118,6 +120,7 @@ def build_ep_layer(
     flags: BatchFlags,
     shared_expert=None,
     device: torch.device | str = "cpu",
+    expert_kernel: str = "pairs",
 ) -> tuple[ExpertParallelMoE, RankLayer | None]:
     """One EP MoE layer on this rank at the initial placement: its local slice of the physical
     experts and, with a key, the RankLayer (global routing tables) its routing op resolves.
@@ -134,7 +137,8 @@ def build_ep_layer(
         tables = LayerLookup(num_logical, num_physical, placement=placement, device=device)
         rank_layer = RankLayer(key, tables, flags, local_experts.weight_view())
     router = LinearTopKRouter(router_weight.to(device), top_k)
-    return ExpertParallelMoE(router, local_experts, key, rank, ep_size, group, shared_expert), rank_layer
+    layer = ExpertParallelMoE(router, local_experts, key, rank, ep_size, group, shared_expert, expert_kernel)
+    return layer, rank_layer
 
 
 def build_rank_stack(
@@ -152,7 +156,8 @@ def build_rank_stack(
     for index, (router, w13, w2) in enumerate(logical_weights(spec)):
         logical_experts = fmt.from_float(w13, w2)  # quantised once, in logical layout
         layer, rank_layer = build_ep_layer(
-            f"ep{rank}.{index}", router, logical_experts, spec.top_k, spec.num_physical, rank, ep_size, group, flags
+            f"ep{rank}.{index}", router, logical_experts, spec.top_k, spec.num_physical, rank, ep_size, group, flags,
+            expert_kernel=spec.expert_kernel,
         )
         layers.append(layer)
         rank_layers.append(rank_layer)

@@ -2,9 +2,10 @@
 
 Each EP rank holds ``num_physical / ep_size`` consecutive physical experts. Token dispatch
 is all-gather / all-reduce: every rank gathers all ranks' tokens, physical ids and routing
-weights, runs its local experts over all gathered tokens (static shapes), keeps the (token,
-k) pairs its experts own, and an all-reduce sums the partial outputs (gloo has no
-reduce-scatter); each rank keeps its own tokens' rows.
+weights, computes the (token, k) pairs its local experts own (with either expert kernel of
+``weight_views``: per pair, or every local expert over every gathered token), and an
+all-reduce sums the partial outputs (gloo has no reduce-scatter); each rank keeps its own
+tokens' rows.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from eplb_graph.weight_views import ExpertWeights
+from eplb_graph.weight_views import ExpertWeights, check_expert_kernel
 
 # Building a VllmConfig runs the platform's checks for vLLM's own model runner, whose warnings
 # (no Triton for the V2 runner, the mamba state dtype) do not apply to bare EP groups; every
@@ -117,10 +118,13 @@ class ExpertParallelMoE(nn.Module):
         ep_size: int = 1,
         ep_group: dist.ProcessGroup | None = None,
         shared_expert: nn.Module | None = None,
+        expert_kernel: str = "pairs",  # see weight_views: "pairs" or "dense"
     ) -> None:
         super().__init__()
+        check_expert_kernel(expert_kernel)
         self.gate = gate
         self.experts = experts
+        self.expert_kernel = expert_kernel
         self.shared_expert = shared_expert
         self.layer_key = layer_key
         self.route_in_module = layer_key is not None
@@ -174,9 +178,14 @@ class ExpertParallelMoE(nn.Module):
         num_local = self.experts.num_experts
         local = all_ids - self.ep_rank * num_local  # [W*T, K]
         mine = (local >= 0) & (local < num_local)
-        per_expert = self.experts(all_x)  # [E_local, W*T, H]: every local expert on every token
-        token_index = torch.arange(all_x.shape[0], device=all_x.device).unsqueeze(1)  # [W*T, 1]
-        pairs = per_expert[local.clamp(0, num_local - 1), token_index]  # [W*T, K, H]
+        slots = local.clamp(0, num_local - 1)  # [W*T, K]; pairs hosted elsewhere are masked below
+        if self.expert_kernel == "dense":
+            per_expert = self.experts(all_x)  # [E_local, W*T, H]: every local expert on every token
+            token_index = torch.arange(all_x.shape[0], device=all_x.device).unsqueeze(1)  # [W*T, 1]
+            pairs = per_expert[slots, token_index]  # [W*T, K, H]
+        else:
+            top_k = slots.shape[1]
+            pairs = self.experts(all_x.repeat_interleave(top_k, dim=0), slots.reshape(-1)).view(-1, top_k, shape[-1])
         # each (token, k) pair is computed by one rank and is exactly zero on the others
         contributions = pairs * (all_weights * mine).unsqueeze(-1)  # [W*T, K, H]
         if self.ep_size > 1:
@@ -205,6 +214,7 @@ class LinearTopKRouter(nn.Module):
         return (weights / weights.sum(-1, keepdim=True)).to(x.dtype), logical
 
 
-def reference_moe(x: torch.Tensor, router_weight: torch.Tensor, experts: ExpertWeights, top_k: int) -> torch.Tensor:
+def reference_moe(x: torch.Tensor, router_weight: torch.Tensor, experts: ExpertWeights, top_k: int,
+                  expert_kernel: str = "pairs") -> torch.Tensor:
     """The same MoE without EPLB: logical ids index logical experts directly, one process."""
-    return ExpertParallelMoE(LinearTopKRouter(router_weight, top_k), experts, None)(x)
+    return ExpertParallelMoE(LinearTopKRouter(router_weight, top_k), experts, None, expert_kernel=expert_kernel)(x)

@@ -84,6 +84,7 @@ def summarize(cfg, results: list[dict]) -> dict:
         "policy_process": cfg.policy_process,
         "steps": cfg.steps,
         "weight_format": cfg.weight_format,
+        "expert_kernel": cfg.expert_kernel,
         "eplb": cfg.eplb,
         "num_layers": cfg.num_layers,
         "num_logical_experts": cfg.num_experts,

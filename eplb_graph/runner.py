@@ -50,6 +50,7 @@ class RunConfig:
     shared_expert_intermediate: int = 64
     vocab_size: int = 256
     weight_format: str = "unquantized"
+    expert_kernel: str = "pairs"  # weight_views: per (token, k) pair, or "dense" (every local expert, every token)
     eplb: bool = True
     window_size: int = 20
     step_interval: int = 20
@@ -103,7 +104,7 @@ class RunConfig:
 
     def validate(self) -> None:
         """Every check that can fail, before any process starts."""
-        from eplb_graph.weight_views import expert_format
+        from eplb_graph.weight_views import check_expert_kernel, expert_format
 
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
@@ -125,6 +126,7 @@ class RunConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"EPLB {name} must be >= 1 step, got {getattr(self, name)}")
         fmt = expert_format(self.weight_format)
+        check_expert_kernel(self.expert_kernel)
         self.workload().validate()
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
@@ -212,12 +214,13 @@ def build_rank_models(cfg: RunConfig, rank: int, ep_size: int, group):
         router = moe.gate.weight.detach().clone()
         logical_experts = fmt.from_float(moe.experts.w13.detach(), moe.experts.w2.detach())
         reference.layers[index].mlp = ExpertParallelMoE(
-            LinearTopKRouter(router.clone(), cfg.top_k), logical_experts, None, shared_expert=copy.deepcopy(moe.shared_expert)
+            LinearTopKRouter(router.clone(), cfg.top_k), logical_experts, None, shared_expert=copy.deepcopy(moe.shared_expert),
+            expert_kernel=cfg.expert_kernel,
         )
         key = f"run{rank}.{index}" if cfg.eplb else None
         model.layers[index].mlp, rank_layer = build_ep_layer(
             key, router, logical_experts, cfg.top_k, cfg.num_physical, rank, ep_size, group, flags,
-            shared_expert=copy.deepcopy(moe.shared_expert), device=device,
+            shared_expert=copy.deepcopy(moe.shared_expert), device=device, expert_kernel=cfg.expert_kernel,
         )
         if rank_layer is not None:
             rank_layers.append(rank_layer)

@@ -7,14 +7,21 @@ Its ``forward`` (a plain torch reference kernel) reads the very same tensors, so
 moved expert is what the next forward computes with. ``dequantized()`` recovers float
 weights for comparisons.
 
-The kernel runs every local expert on every token, [N, H] -> [E, N, H], as batched GEMMs
-over the expert dim: the shapes are static (capture needs that), each expert's weights are
-read once per forward, and the caller picks the (token, expert) rows its routing chose. The
-alternative, gathering each (token, k) pair's weights (gpt-fast's decode kernel), copies
-3 * I * H weights per pair and cost 13x (width 64) to 40x (width 512) more here. A row of
-a GEMM does not depend on how many rows it has (from 4 rows; fewer are padded, see
-MIN_GEMM_ROWS; checked in the tests), which keeps the EP model, on all ranks' tokens,
-exactly equal to the one-process reference on its own.
+Two kernels, both with static shapes (capture needs them), picked by ``expert_ids``:
+
+    pairs   (ids given) each (token, k) pair through its own expert's gathered weights,
+            [S, H] -> [S, H] (gpt-fast's decode kernel): work grows with the pairs, not
+            with the slots, as in a fused MoE kernel, but every pair copies 3 * I * H
+            weights, which is what makes width expensive
+    dense   (no ids) every local expert on every token as batched GEMMs, [N, H] -> [E, N, H],
+            the caller picking the rows its routing chose: each expert's weights read once,
+            13x (width 64) to 40x (width 512) faster here, but work grows with the local
+            slots, so redundant experts cost compute a fused kernel would not spend
+
+Each is exact against itself across batches: a pair's matvec does not depend on how many
+pairs run beside it, nor a GEMM row on how many rows (from 2 pairs and 4 rows; smaller
+batches are padded, see MIN_GEMM_ROWS; checked in the tests), which keeps the EP model, on
+all ranks' tokens, exactly equal to the one-process reference on its own.
 
     unquantized   w13 [E, 2I, H], w2 [E, H, I] (+ optional b13 [E, 2I], b2 [E, H])
     w8a8_dynamic  int8 w13/w2 with per-output-channel scales; activations quantised
@@ -50,8 +57,9 @@ class ExpertWeights(nn.Module):
     def weight_view(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.view_names]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [N, H] tokens -> [E, N, H]: every local expert's output for every token."""
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """pairs: x [S, H] one row per (token, k), expert_ids [S] local slots -> [S, H];
+        dense (expert_ids None): x [N, H] tokens -> [E, N, H], every local expert on every token."""
         raise NotImplementedError
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,19 +80,55 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# The host's sgemm takes another path for fewer than 4 rows, whose sums round differently
-# (measured: rows equal for every M from 4 to 128, not for 1-3), so a token's output would
-# depend on its batch's size; smaller batches are padded to this many rows.
+# The host's BLAS takes other paths for small batches, whose sums round differently, so a
+# token's output would depend on its batch's size; smaller batches are padded (measured: a
+# GEMM's rows equal for every M from 4 to 128, not for 1-3; a bmm's matvecs for every batch
+# from 2, not for 1).
 MIN_GEMM_ROWS = 4
+MIN_BMM_BATCH = 2
 
 
-def _per_expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [N, I] (or [E, N, I]) through every expert's weight [E, O, I] -> [E, N, O]."""
-    rows = x.shape[-2]
-    if rows >= MIN_GEMM_ROWS:
-        return torch.matmul(x, weight.transpose(1, 2))
-    padded = F.pad(x, (0, 0, 0, MIN_GEMM_ROWS - rows))  # zero rows, dropped below
-    return torch.matmul(padded, weight.transpose(1, 2))[..., :rows, :]
+class _EveryExpert:
+    """The dense kernel's indexing: x [N, I] (or [E, N, I]) through every expert -> [E, N, O]."""
+
+    @staticmethod
+    def weight(w: torch.Tensor) -> torch.Tensor:  # [E, O, I]
+        return w
+
+    @staticmethod
+    def channel(c: torch.Tensor) -> torch.Tensor:  # per-output-channel [E, O] -> [E, 1, O]
+        return c.unsqueeze(1)
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[-2]
+        if rows >= MIN_GEMM_ROWS:
+            return torch.matmul(x, weight.transpose(1, 2))
+        padded = F.pad(x, (0, 0, 0, MIN_GEMM_ROWS - rows))  # zero rows, dropped below
+        return torch.matmul(padded, weight.transpose(1, 2))[..., :rows, :]
+
+
+class _OnePerPair:
+    """The pairs kernel's indexing: row s of x [S, I] through expert expert_ids[s] -> [S, O]."""
+
+    def __init__(self, expert_ids: torch.Tensor) -> None:
+        self.expert_ids = expert_ids  # [S]
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:  # [E, O, I] -> [S, O, I]: a copy per pair
+        return w[self.expert_ids]
+
+    def channel(self, c: torch.Tensor) -> torch.Tensor:  # [E, O] -> [S, O]
+        return c[self.expert_ids]
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if 0 < x.shape[0] < MIN_BMM_BATCH:  # a lone pair: run it twice, keep one
+            return _OnePerPair.linear(x.repeat(MIN_BMM_BATCH, 1), weight.repeat(MIN_BMM_BATCH, 1, 1))[: x.shape[0]]
+        return torch.bmm(weight, x.unsqueeze(-1)).squeeze(-1)  # [S, O, I] x [S, I] -> [S, O]
+
+
+def _kernel(expert_ids: torch.Tensor | None) -> _EveryExpert | _OnePerPair:
+    return _EveryExpert() if expert_ids is None else _OnePerPair(expert_ids)
 
 
 class UnquantizedExperts(ExpertWeights):
@@ -105,13 +149,14 @@ class UnquantizedExperts(ExpertWeights):
     def from_float(cls, w13, w2, *, bias: bool = False, b13=None, b2=None):
         return cls(w13, w2, b13 if bias else None, b2 if bias else None)
 
-    def forward(self, x):
-        hidden = _per_expert_linear(x, self.w13)  # [E, N, 2I]
+    def forward(self, x, expert_ids=None):
+        k = _kernel(expert_ids)
+        hidden = k.linear(x, k.weight(self.w13))  # [S, 2I] / [E, N, 2I]
         if "b13" in self.view_names:
-            hidden = hidden + self.b13.unsqueeze(1)
-        out = _per_expert_linear(_swiglu(hidden), self.w2)  # [E, N, H]
+            hidden = hidden + k.channel(self.b13)
+        out = k.linear(_swiglu(hidden), k.weight(self.w2))  # [S, H] / [E, N, H]
         if "b2" in self.view_names:
-            out = out + self.b2.unsqueeze(1)
+            out = out + k.channel(self.b2)
         return out
 
     def dequantized(self):
@@ -146,14 +191,15 @@ class W8A8DynamicExperts(ExpertWeights):
         return cls(*_quantize_per_channel(w13.float(), 127), *_quantize_per_channel(w2.float(), 127))
 
     @staticmethod
-    def _linear(x, q, scale):  # x [N, I] or [E, N, I]; q [E, O, I] int8; scale [E, O] -> [E, N, O]
+    def _linear(k, x, q, scale):  # q [E, O, I] int8; scale [E, O]
         x_q, x_scale = _quantize_activations(x)
         # int8 x int8 products summed exactly in float32 (|sum| < 2^24 for these sizes)
-        return _per_expert_linear(x_q, q.float()) * x_scale * scale.unsqueeze(1)
+        return k.linear(x_q, k.weight(q).float()) * x_scale * k.channel(scale)
 
-    def forward(self, x):
-        hidden = self._linear(x.float(), self.w13_q, self.w13_scale)  # [E, N, 2I]
-        return self._linear(_swiglu(hidden), self.w2_q, self.w2_scale).to(x.dtype)  # [E, N, H]
+    def forward(self, x, expert_ids=None):
+        k = _kernel(expert_ids)
+        hidden = self._linear(k, x.float(), self.w13_q, self.w13_scale)  # [S, 2I] / [E, N, 2I]
+        return self._linear(k, _swiglu(hidden), self.w2_q, self.w2_scale).to(x.dtype)
 
     def dequantized(self):
         return self.w13_q.float() * self.w13_scale.unsqueeze(-1), self.w2_q.float() * self.w2_scale.unsqueeze(-1)
@@ -205,21 +251,29 @@ class W4A8Experts(ExpertWeights):
         return cls(*cls._quantize(w13.float()), *cls._quantize(w2.float()))
 
     @staticmethod
-    def _linear(x, packed, scale, scale_bias):  # x [N, I] or [E, N, I]; packed [E, O, I/2] -> [E, N, O]
+    def _linear(k, x, packed, scale, scale_bias):  # packed [E, O, I/2]; scale, scale_bias [E, O]
         x_q, x_scale = _quantize_activations(x)
-        q = unpack_int4(packed).float()  # [E, O, I]
-        return (_per_expert_linear(x_q, q) * x_scale * scale.unsqueeze(1)
-                + scale_bias.unsqueeze(1) * x.sum(-1, keepdim=True))
+        q = unpack_int4(k.weight(packed)).float()  # [S, O, I] / [E, O, I]
+        return k.linear(x_q, q) * x_scale * k.channel(scale) + k.channel(scale_bias) * x.sum(-1, keepdim=True)
 
-    def forward(self, x):
-        hidden = self._linear(x.float(), self.w13_packed, self.w13_scale, self.w13_scale_bias)  # [E, N, 2I]
-        return self._linear(_swiglu(hidden), self.w2_packed, self.w2_scale, self.w2_scale_bias).to(x.dtype)
+    def forward(self, x, expert_ids=None):
+        k = _kernel(expert_ids)
+        hidden = self._linear(k, x.float(), self.w13_packed, self.w13_scale, self.w13_scale_bias)
+        return self._linear(k, _swiglu(hidden), self.w2_packed, self.w2_scale, self.w2_scale_bias).to(x.dtype)
 
     def dequantized(self):
         def dq(packed, scale, bias):
             return unpack_int4(packed).float() * scale.unsqueeze(-1) + bias.unsqueeze(-1)
 
         return dq(self.w13_packed, self.w13_scale, self.w13_scale_bias), dq(self.w2_packed, self.w2_scale, self.w2_scale_bias)
+
+
+EXPERT_KERNELS = ("pairs", "dense")
+
+
+def check_expert_kernel(name: str) -> None:
+    if name not in EXPERT_KERNELS:
+        raise ValueError(f"unknown expert kernel {name!r}; expected one of {', '.join(EXPERT_KERNELS)}")
 
 
 EXPERT_FORMATS: dict[str, type[ExpertWeights]] = {

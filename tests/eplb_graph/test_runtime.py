@@ -49,6 +49,19 @@ def test_run_rebalances_live_with_outputs_checked_every_step(mode, capsys, tmp_p
     assert (tmp_path / "rank_load_heatmap.png").stat().st_size > 0
 
 
+def test_the_dense_expert_kernel_stays_exact_down_to_batches_of_two_tokens(capsys, tmp_path):
+    """--expert-kernel dense (every local expert over every gathered token): the EP model's
+    GEMMs have more rows than the reference's (4 vs 2 at decode here, under the 4 rows where the
+    host's sgemm changes path, so both are padded), and eager stays exact, in a quantized format too."""
+    for weight_format in ("unquantized", "w4a8"):
+        code, report = _run(capsys, tmp_path, "--mode", "eager", "--expert-kernel", "dense", "--steps", "40",
+                            "--interval", "10", "--capture-sizes", "2,64", "--decode-tokens", "2",
+                            "--format", weight_format)
+        assert code == 0, report["failed_invariants"]
+        assert report["expert_kernel"] == "dense" and report["rearrangements"] >= 2
+        assert report["output_check"] == "exact" and report["max_abs_diff"] == 0
+
+
 def test_back_to_back_rearrangements_are_all_counted(capsys, tmp_path):
     """At --interval 1 one upstream step() commits a rearrangement's last layer and starts the
     next, so the rebalancing flag never reads False between steps; each is still counted.
@@ -113,6 +126,7 @@ def test_run_with_the_policy_in_helper_processes(capsys, tmp_path):
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--ranks", "3"], "20 physical experts do not divide over 3 ranks"),
         (["--format", "gptq_marlin"], "quantization format 'gptq_marlin' is not supported"),
+        (["--expert-kernel", "fused"], "unknown expert kernel 'fused'; expected one of pairs, dense"),
         (["--device", "npu"], "device 'npu'"),
         (["--interval", "0"], "EPLB step_interval must be >= 1 step, got 0"),
         (["--redundant", "-1"], "redundant experts must be >= 0, got -1"),
