@@ -20,7 +20,7 @@ Two kernels, both with static shapes (capture needs them), picked by ``expert_id
 
 Each is exact against itself across batches: a pair's matvec does not depend on how many
 pairs run beside it, nor a GEMM row on how many rows (from 2 pairs and 4 rows; smaller
-batches are padded, see MIN_GEMM_ROWS; checked in the tests), which keeps the EP model, on
+batches are padded, see MIN_GEMM_ROWS and MIN_BMM_BATCH; checked in the tests), which keeps the EP model, on
 all ranks' tokens, exactly equal to the one-process reference on its own.
 
     unquantized   w13 [E, 2I, H], w2 [E, H, I] (+ optional b13 [E, 2I], b2 [E, H])
