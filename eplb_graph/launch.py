@@ -59,14 +59,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world_size: int, init_method: str, args: tuple, kwargs: dict, results,
-           alive: Heartbeat) -> None:
-    alive.beat()  # spawned and imported: from here on silence counts
+def _entry(fn: Callable, rank: int, world_size: int, init_method: str, args: tuple, results,
+           heartbeat: Heartbeat, pass_heartbeat: bool) -> None:
+    heartbeat.beat()  # spawned and imported: from here on silence counts
     faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack
     # Ctrl-C reaches the whole process group; the launcher answers it and stops every rank, so a
     # rank does not report its own interruption as a failure first
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        kwargs = {"heartbeat": heartbeat} if pass_heartbeat else {}
         results.put((rank, True, fn(rank, world_size, init_method, *args, **kwargs)))
     except BaseException as error:  # reported to the launcher, then the process exits nonzero
         results.put((rank, False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
@@ -86,9 +87,8 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 180.0,
     beats = [Heartbeat(ctx) for _ in range(world_size)]
     takes_heartbeat = "heartbeat" in inspect.signature(fn).parameters
     processes = [
-        ctx.Process(target=_entry, daemon=True, args=(fn, rank, world_size, init_method, args,
-                                                      {"heartbeat": beats[rank]} if takes_heartbeat else {}, results,
-                                                      beats[rank]))
+        ctx.Process(target=_entry, daemon=True,
+                    args=(fn, rank, world_size, init_method, args, results, beats[rank], takes_heartbeat))
         for rank in range(world_size)
     ]
     for process in processes:
