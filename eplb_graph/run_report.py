@@ -65,12 +65,10 @@ def without_eplb_rank_load(logical_steps: torch.Tensor, ranks: int) -> torch.Ten
 def first_mismatch(results: list[dict]) -> dict:
     """The earliest mismatching step over ranks, and whether a rearrangement was in flight there
     (a move or commit bug shows first right after a commit); None for both without a mismatch."""
+    keys = ("first_mismatch_step", "first_mismatch_during_rearrangement")  # RankResult's fields, same names
     firsts = [r for r in results if r["first_mismatch_step"] is not None]
-    if not firsts:
-        return {"first_mismatch_step": None, "first_mismatch_during_rearrangement": None}
-    earliest = min(firsts, key=lambda r: r["first_mismatch_step"])
-    return {"first_mismatch_step": earliest["first_mismatch_step"],
-            "first_mismatch_during_rearrangement": earliest["first_mismatch_rebalancing"]}
+    earliest = min(firsts, key=lambda r: r["first_mismatch_step"]) if firsts else dict.fromkeys(keys)
+    return {key: earliest[key] for key in keys}
 
 
 def summarize(cfg, results: list[dict]) -> dict:

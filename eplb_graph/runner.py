@@ -154,7 +154,7 @@ class RankResult:
     rearrangements_finished: int = 0
     output_mismatches: int = 0
     first_mismatch_step: int | None = None
-    first_mismatch_rebalancing: bool | None = None  # a rearrangement in flight at that step
+    first_mismatch_during_rearrangement: bool | None = None  # a rearrangement in flight at that step
     nonfinite_output_steps: int = 0  # steps with NaN/Inf outputs where the reference is finite
     max_abs_diff: float = 0.0  # over the entries finite in both
     recompiles: int = 0
@@ -433,7 +433,7 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig, heart
                 if not check.ok:
                     result.output_mismatches += 1
                     if result.first_mismatch_step is None:  # where to look: the step, and whether a move was in flight
-                        result.first_mismatch_step, result.first_mismatch_rebalancing = step, busy
+                        result.first_mismatch_step, result.first_mismatch_during_rearrangement = step, busy
 
         if graphs_after_warmup is not None:
             result.recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_after_warmup

@@ -67,9 +67,9 @@ def test_over_median_is_none_without_steps_on_either_side():
 
 
 def test_first_mismatch_is_the_earliest_over_ranks():
-    rank0 = {"first_mismatch_step": 12, "first_mismatch_rebalancing": False}
-    rank1 = {"first_mismatch_step": 9, "first_mismatch_rebalancing": True}
-    clean = {"first_mismatch_step": None, "first_mismatch_rebalancing": None}
+    rank0 = {"first_mismatch_step": 12, "first_mismatch_during_rearrangement": False}
+    rank1 = {"first_mismatch_step": 9, "first_mismatch_during_rearrangement": True}
+    clean = {"first_mismatch_step": None, "first_mismatch_during_rearrangement": None}
     assert first_mismatch([rank0, clean, rank1]) == {"first_mismatch_step": 9, "first_mismatch_during_rearrangement": True}
     assert first_mismatch([clean, clean]) == {"first_mismatch_step": None, "first_mismatch_during_rearrangement": None}
 
