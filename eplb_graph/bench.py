@@ -23,7 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -80,12 +80,15 @@ def decode_batches(cfg: RunConfig, rank: int, device: torch.device) -> list[Batc
     return [make_batch(workload, step, rank).to(device) for step in range(1, 8)]
 
 
-def rotating_steps(forwards: dict[str, Callable], controllers: dict[str, EplbController | None],
+def rotating_steps(forwards: dict[str, Callable], controllers: dict[str, EplbController | StepHooks | None],
                    batches: list[Batch], steps: int, device: torch.device,
-                   heartbeat: Heartbeat | None = None) -> dict[str, list[TimedStep]]:
+                   heartbeat: Heartbeat | None = None,
+                   after_step: Callable[[dict[str, torch.Tensor]], None] | None = None) -> dict[str, list[TimedStep]]:
     """Every forward once per step on the same batch, the order rotating so each leads a step as
     often as the others: side by side in one process, the machine's noise hits all alike.
-    ``heartbeat`` beats after each step (see ``eplb_graph.launch``)."""
+    ``heartbeat`` beats after each step (see ``eplb_graph.launch``); ``after_step`` gets the
+    step's outputs by name, untimed, before the next step (a replayed graph overwrites its
+    output buffer)."""
     names = list(forwards)
     timed: dict[str, list[TimedStep]] = {name: [] for name in names}
     for step in range(steps):
@@ -93,9 +96,51 @@ def rotating_steps(forwards: dict[str, Callable], controllers: dict[str, EplbCon
         first = step % len(names)
         for name in names[first:] + names[:first]:
             timed[name].append(timed_step(forwards[name], batch, device, controllers.get(name)))
+        if after_step is not None:
+            after_step({name: timed[name][-1].out for name in names})
         if heartbeat is not None:
             heartbeat.beat()
     return timed
+
+
+class StepHooks(Protocol):
+    """What a timed step calls around a forward: ``EplbController``, or a stand-in without a control plane."""
+
+    def begin_batch(self, *, num_unpadded_tokens: int, is_prefill: bool) -> object: ...
+
+    def end_batch(self) -> None: ...
+
+
+@dataclasses.dataclass
+class PreparedModels:
+    forwards: dict[str, Callable]  # name -> the step's callable (model, compiled, or captured)
+    captured: dict[str, object | None]  # name -> its CapturedForward, None where nothing is captured
+    compile_s: dict[str, float]  # name -> compile or capture time, its first (compiling) step included
+    decode: list[Batch]  # the decode batches every model steps through
+
+    @property
+    def recaptures(self) -> dict[str, int | None]:
+        return {name: None if c is None else c.stats.recaptures for name, c in self.captured.items()}
+
+
+def prepare_models(models: dict[str, tuple], controllers: dict[str, StepHooks], cfg: RunConfig, rank: int,
+                   device: torch.device) -> PreparedModels:
+    """Compiles (graph mode: captures) each model in order and runs its first step, untimed.
+    ``models``: name -> (model, its RunConfig, its RankLayers, its flags)."""
+    compile_s, captured, forwards = {}, {}, {}
+    for name, (model, run_cfg, rank_layers, flags) in models.items():
+        start = time.perf_counter()
+        forwards[name], captured[name] = prepare_step(model, run_cfg, rank_layers, flags, [])
+        compile_s[name] = time.perf_counter() - start
+    decode = decode_batches(cfg, rank, device)
+    for name, forward in forwards.items():  # first call: compiles (graph mode captured already)
+        compile_s[name] += timed_step(forward, decode[0], device, controllers.get(name)).seconds
+    return PreparedModels(forwards, captured, compile_s, decode)
+
+
+def unique_graphs() -> int:
+    """Dynamo's count of graphs compiled in this process: a recompile adds one."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig,
@@ -111,34 +156,36 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
     off_cfg = dataclasses.replace(cfg, eplb=False)
     with rank_session(rank, world_size, init_method, on_cfg) as (group, _):
         device = rank_device(cfg)
-        on_model, _, layers, on_flags = build_rank_models(on_cfg, rank, world_size, group)
-        off_model, _, _, off_flags = build_rank_models(off_cfg, rank, world_size, group)
-        twin_model, _, _, twin_flags = build_rank_models(off_cfg, rank, world_size, group)  # same seed, same weights
-        controller = EplbController(layers, device=device)
-        # the backend's verifier is strict: a graph that fails it does not compile
-        compile_s, captured = {}, {}
-        forwards = {}
-        # the twin compiles first: the process's first compile pays the cold caches (~2-5 s here),
-        # which would otherwise make "off" look several times costlier to compile than "on_idle"
-        for name, model, run_cfg, rank_layers, flags in (("off_twin", twin_model, off_cfg, [], twin_flags),
-                                                          ("off", off_model, off_cfg, [], off_flags),
-                                                          ("on_idle", on_model, on_cfg, layers, on_flags)):
-            start = time.perf_counter()
-            forwards[name], captured[name] = prepare_step(model, run_cfg, rank_layers, flags, [])
-            compile_s[name] = time.perf_counter() - start
-        decode = decode_batches(cfg, rank, device)
+        on = build_rank_models(on_cfg, rank, world_size, group)
+        off = build_rank_models(off_cfg, rank, world_size, group)
+        twin = build_rank_models(off_cfg, rank, world_size, group)  # same seed, same weights
+        controller = EplbController(on[2], device=device)
         controllers = {"on_idle": controller}
-        for name, forward in forwards.items():  # first call: compiles (graph mode captured already)
-            compile_s[name] += timed_step(forward, decode[0], device, controllers.get(name)).seconds
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        timed = rotating_steps(forwards, controllers, decode, cfg.steps, device, heartbeat)
-        times = {name: [t.seconds * 1e3 for t in steps] for name, steps in timed.items()}
-        times["on_idle_eplb_host"] = [t.eplb_host_s * 1e3 for t in timed["on_idle"]]
-        recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
-        recaptures = {name: None if c is None else c.stats.recaptures for name, c in captured.items()}
+        # the backend's verifier is strict: a graph that fails it does not compile
+        prepared = prepare_models(paired_models(on, off, twin, on_cfg, off_cfg), controllers, cfg, rank, device)
+        graphs = unique_graphs()
+        timed = rotating_steps(prepared.forwards, controllers, prepared.decode, cfg.steps, device, heartbeat)
+        recompiles = unique_graphs() - graphs
         controller.close()
     shutdown_expert_parallel()
-    return {"times": times, "compile_s": compile_s, "recompiles": recompiles, "recaptures": recaptures}
+    return {"times": paired_times(timed), "compile_s": prepared.compile_s, "recompiles": recompiles,
+            "recaptures": prepared.recaptures}
+
+
+def paired_models(on: tuple, off: tuple, twin: tuple, on_cfg: RunConfig, off_cfg: RunConfig) -> dict[str, tuple]:
+    """The three models of a paired run, each ``build_rank_models``' (model, reference,
+    RankLayers, flags), as ``prepare_models`` takes them, in compile order: the twin compiles
+    first, since the process's first compile pays the cold caches (~2-5 s here), which would
+    otherwise make "off" look several times costlier to compile than "on_idle"."""
+    return {"off_twin": (twin[0], off_cfg, [], twin[3]), "off": (off[0], off_cfg, [], off[3]),
+            "on_idle": (on[0], on_cfg, on[2], on[3])}
+
+
+def paired_times(timed: dict[str, list[TimedStep]]) -> dict[str, list[float]]:
+    """Step times in ms by model, and on_idle's EPLB host part (begin_batch + end_batch)."""
+    times = {name: [t.seconds * 1e3 for t in steps] for name, steps in timed.items()}
+    times["on_idle_eplb_host"] = [t.eplb_host_s * 1e3 for t in timed["on_idle"]]
+    return times
 
 
 def paired_ratio_interval(numerator: list[float], denominator: list[float], *, block: int = BLOCK_STEPS,
@@ -161,12 +208,41 @@ def paired_ratio_interval(numerator: list[float], denominator: list[float], *, b
     return low, high
 
 
+def check_bench_steps(steps: int) -> None:
+    if steps < MIN_BENCH_STEPS:
+        raise ValueError(f"bench needs --steps >= {MIN_BENCH_STEPS} (p99 and the 95 % intervals need at least two "
+                         f"{BLOCK_STEPS}-step blocks per rank), got {steps}")
+
+
+def idle_ratios(idle: list[float], off: list[float], twin: list[float], idle_host: list[float]) -> dict:
+    """on_idle / off beside the A/A off_twin / off, with their paired 95 % intervals (the three
+    models rotate step by step in the same processes), and on_idle's EPLB host time."""
+    return {
+        "on_idle_over_off": over_median(idle, off),
+        "on_idle_over_off_ci95": [round(x, 3) for x in paired_ratio_interval(idle, off)],
+        # the A/A yardstick: two identical EPLB-off models, what the harness reads when nothing differs
+        "off_twin_over_off": over_median(twin, off),
+        "off_twin_over_off_ci95": [round(x, 3) for x in paired_ratio_interval(twin, off)],
+        "on_idle_eplb_host_p50_ms": round(statistics.median(idle_host), 3),  # begin_batch + end_batch
+    }
+
+
+def graph_speedup(results: list[dict], device: str) -> float | None:
+    """Eager p50 over graph-mode p50 of the EPLB-on (idle) decode step; on CPU the compiled mode
+    is the graph mode. None unless both ran."""
+    by_key = {(r["mode"], r["eplb"]): r for r in results}
+    graph_mode = "graph" if device != "cpu" else "compiled"
+    if ("eager", "on_idle") not in by_key or (graph_mode, "on_idle") not in by_key:
+        return None
+    return round(by_key[("eager", "on_idle")]["p50_ms"] / by_key[(graph_mode, "on_idle")]["p50_ms"], 3)
+
+
 def _worst(counts: list[int | None]) -> int | None:
     """The largest count over ranks; None where a mode captures nothing."""
     return None if any(c is None for c in counts) else max(counts)
 
 
-def _entry(mode: str, eplb: str, steps: list[float], cfg: RunConfig, *, compile_s: float, recompiles: int,
+def result_entry(mode: str, eplb: str, steps: list[float], cfg: RunConfig, *, compile_s: float, recompiles: int,
            recaptures: int | None, rearrangements: int = 0) -> dict:
     tokens = cfg.decode_tokens * cfg.ranks
     return {
@@ -188,9 +264,7 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
     """``base.steps`` per run and setting; ``base.step_interval``: how often the on_rearranging
     run rearranges (on_idle never does). ``log`` gets one line as each run starts and ends."""
     log = log or (lambda line: None)
-    if base.steps < MIN_BENCH_STEPS:  # before any process starts
-        raise ValueError(f"bench needs --steps >= {MIN_BENCH_STEPS} (p99 and the 95 % intervals need at least two "
-                         f"{BLOCK_STEPS}-step blocks per rank), got {base.steps}")
+    check_bench_steps(base.steps)  # before any process starts
     results, ratios = [], {}
     for mode in modes:
         common = dict(mode=mode, check_outputs=False, progress=False, collect_load_stats=False)
@@ -211,11 +285,11 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
         rearranging_host = [ms for r in busy for ms in _decode_steps(r, True, "eplb_host_ms")]
         recompiles = max(r["recompiles"] for r in paired)
         entries = [
-            _entry(mode, "off", off_steps, base, compile_s=max(r["compile_s"]["off"] for r in paired),
+            result_entry(mode, "off", off_steps, base, compile_s=max(r["compile_s"]["off"] for r in paired),
                    recompiles=recompiles, recaptures=_worst([r["recaptures"]["off"] for r in paired])),
-            _entry(mode, "on_idle", idle_steps, base, compile_s=max(r["compile_s"]["on_idle"] for r in paired),
+            result_entry(mode, "on_idle", idle_steps, base, compile_s=max(r["compile_s"]["on_idle"] for r in paired),
                    recompiles=recompiles, recaptures=_worst([r["recaptures"]["on_idle"] for r in paired])),
-            _entry(mode, "on_rearranging", rearranging or steady, busy_cfg,
+            result_entry(mode, "on_rearranging", rearranging or steady, busy_cfg,
                    compile_s=max(r["compile_or_capture_s"] for r in busy), recompiles=max(r["recompiles"] for r in busy),
                    recaptures=_worst([r["recaptures"] for r in busy]),
                    rearrangements=min(r["rearrangements_finished"] for r in busy)),
@@ -223,13 +297,7 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
         results.extend(entries)
         idle_host = [ms for r in paired for ms in r["times"]["on_idle_eplb_host"]]
         ratios[mode] = {
-            "on_idle_over_off": over_median(idle_steps, off_steps),
-            # off, on_idle and off_twin rotate step by step in the same processes: paired intervals
-            "on_idle_over_off_ci95": [round(x, 3) for x in paired_ratio_interval(idle_steps, off_steps)],
-            # the A/A yardstick: two identical EPLB-off models, what the harness reads when nothing differs
-            "off_twin_over_off": over_median(twin_steps, off_steps),
-            "off_twin_over_off_ci95": [round(x, 3) for x in paired_ratio_interval(twin_steps, off_steps)],
-            "on_idle_eplb_host_p50_ms": round(statistics.median(idle_host), 3),  # begin_batch + end_batch
+            **idle_ratios(idle_steps, off_steps, twin_steps, idle_host),
             # null where the run had none of either: no rearrangement (--interval past --steps), or
             # no steady step (rearrangements back to back: --interval within a rearrangement's length)
             "rearranging_p99_over_steady_p50": over_median(rearranging, steady, 99),
@@ -243,12 +311,9 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
             "rearranging_eplb_host_p50_ms": round(statistics.median(rearranging_host), 3) if rearranging_host else None,
             "rearranging_eplb_host_p99_ms": round(percentile(rearranging_host, 99), 3) if rearranging_host else None,
         }
-    by_key = {(r["mode"], r["eplb"]): r for r in results}
-    graph_mode = "graph" if base.device != "cpu" else "compiled"  # on CPU the compiled mode is the graph mode
-    if ("eager", "on_idle") in by_key and (graph_mode, "on_idle") in by_key:
-        ratios["graph_speedup_over_eager_decode"] = round(
-            by_key[("eager", "on_idle")]["p50_ms"] / by_key[(graph_mode, "on_idle")]["p50_ms"], 3
-        )
+    speedup = graph_speedup(results, base.device)
+    if speedup is not None:
+        ratios["graph_speedup_over_eager_decode"] = speedup
     return {
         "device": base.device,
         "expert_kernel": base.expert_kernel,
@@ -278,6 +343,8 @@ def format_table(report: dict) -> str:
         lines.append(f"{'ratio':<42}" + "".join(f"{mode:>24}" for mode in modes) + "  target")
         targets = report.get("targets", {})
         for label, key, interval in _RATIO_ROWS:
+            if not any(key in report["ratios"][mode] for mode in modes):
+                continue  # not measured by this bench (the data-plane bench has no rearrangement)
             values = [report["ratios"][mode].get(key) for mode in modes]
             cells = []
             for mode, value in zip(modes, values):
@@ -319,7 +386,8 @@ def write_chart(out: Path, report: dict) -> Path:
     ax.bar([x + 0.2 for x in xs], [r["p99_ms"] for r in report["results"]], width=0.4, label="p99")
     ax.set_xticks(list(xs), labels, fontsize=8)
     ax.set_ylabel("decode step, ms")
-    ax.set_title(f"eplb-graph bench: {report['ranks']} ranks on {report['device']}")
+    scope = ", data plane only" if "control_plane" in report and report["control_plane"] is None else ""
+    ax.set_title(f"eplb-graph bench: {report['ranks']} rank(s) on {report['device']}{scope}")
     ax.legend()
     path = out / "bench.png"
     fig.tight_layout()
