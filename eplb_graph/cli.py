@@ -138,13 +138,29 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _log(line: str) -> None:
+    """Progress on stderr: stdout holds only the table or the JSON."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from eplb_graph.bench import bench_modes, format_table, run_bench, write_chart
 
     modes = bench_modes(args.mode, args.device)
-    config = _run_config(args, mode=modes[0])
-    out = _output_dir(args.out)
-    report = run_bench(config, modes, timeout_s=args.timeout, log=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.data_plane:
+        from eplb_graph.bench_data_plane import run_data_plane_bench
+
+        if args.ranks not in (None, 1):
+            raise ValueError(f"--data-plane runs one process (EP size 1, no collective), got --ranks {args.ranks}")
+        if args.policy_process:
+            raise ValueError("--data-plane runs no control plane: --policy-process does not apply")
+        config = _run_config(args, mode=modes[0], ranks=1)
+        out = _output_dir(args.out)
+        report = run_data_plane_bench(config, modes, log=_log)
+    else:
+        config = _run_config(args, mode=modes[0], ranks=2 if args.ranks is None else args.ranks)
+        out = _output_dir(args.out)
+        report = run_bench(config, modes, timeout_s=args.timeout, log=_log)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     chart = write_chart(out, report)
     if args.json:
@@ -152,7 +168,9 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         print(format_table(report))
         print(f"wrote {out / 'bench.json'}\nwrote {chart}")
-    return 0
+    for problem in report.get("failed_checks", []):
+        print(f"FAILED: {problem}", file=sys.stderr)
+    return 1 if report.get("failed_checks") else 0
 
 
 def _capture_sizes(text: str) -> tuple[int, ...]:
@@ -164,13 +182,13 @@ def _capture_sizes(text: str) -> tuple[int, ...]:
 
 
 def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode: str = "compiled",
-                           interval: int = 20) -> None:
+                           interval: int = 20, ranks: int | None = 2) -> None:
     from eplb_graph.runner import DEVICES, MODES
 
     choices = ", ".join(MODES) + (", all (every mode the device has)" if mode == "all" else "")
     parser.add_argument("--mode", default=mode, help=f"one of {choices}")
     parser.add_argument("--device", default="cpu", help=f"one of {', '.join(DEVICES)}")
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=ranks, help="EP ranks, one process each (default 2)")
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--format", default="unquantized", help="unquantized | w8a8_dynamic | w4a8")
     parser.add_argument("--expert-kernel", default="pairs",
@@ -234,7 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_run)
 
     bench = commands.add_parser("bench", help="step latency: eager vs compiled, EPLB off / on-idle / rearranging")
-    _add_runtime_arguments(bench, steps=120, mode="all", interval=10)
+    _add_runtime_arguments(bench, steps=120, mode="all", interval=10, ranks=None)
+    bench.add_argument("--data-plane", action="store_true",
+                       help="EPLB's data plane alone, no vLLM needed: one process, EP size 1, EPLB off vs the routing "
+                            "op at identity placement (no control plane, no rearrangement); checks that the op's "
+                            "outputs equal off's and that it recorded every token")
     bench.set_defaults(func=_bench)
     return parser
 
