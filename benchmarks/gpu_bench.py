@@ -14,6 +14,10 @@ longer fits is reported as skipped, never silently dropped):
 4. bench_large  the same at a larger shape (288 physical experts, top-8, width 1024)
 5. run          `eplb-graph run --device cuda --mode graph` for 1100 steps: >= 100
                 rearrangements with 0 recaptures, 0 recompiles and outputs checked every step
+6. bench_data_plane        `eplb-graph bench --device cuda --data-plane`: the routing op's cost
+                           in eager / compiled / graph mode, one process, no vLLM needed (EPLB
+                           off vs on at identity placement, outputs and recorded load checked)
+7. bench_data_plane_large  the same at the larger shape
 
 Ranks: one per visible GPU, at most 2 (NCCL runs one rank per GPU; on a one-GPU machine
 the EP group has one rank, which still rebalances replicas and moves weights).
@@ -21,7 +25,8 @@ Needs torch with CUDA and this package installed into that environment (offline:
 ``pip install --no-deps --no-build-isolation -e .``). Stages 3-5 and the runtime's CUDA
 tests need vLLM (EPLB's control plane is upstream's); where it is not importable they are
 reported as skipped with the reason, and the vLLM-free stages (the ops, the lookup under
-CUDA graph replay, CapturedForward, the routing op's timing) still run.
+CUDA graph replay, CapturedForward, the routing op's timing, the data-plane benches) still
+run: without vLLM, graph mode's speedup over eager and EPLB-on / EPLB-off are still measured.
 Writes ``gpu_bench.json`` beside each stage's own JSON under ``--out``.
 """
 
@@ -40,6 +45,7 @@ VLLM_FREE_CUDA_TEST_FILES = [
     "tests/custom_ops/test_routing_ops.py",
     "tests/eplb_graph/test_layer_lookup.py",
     "tests/eplb_graph/test_graph_capture.py",
+    "tests/eplb_graph/test_bench_data_plane.py",
 ]
 RUNTIME_CUDA_TEST_FILES = ["tests/eplb_graph/test_runtime.py"]  # multi-rank runs: upstream's EPLB
 LARGE_SHAPE = ["--experts", "256", "--redundant", "32", "--top-k", "8", "--hidden", "1024", "--intermediate", "512"]
@@ -85,6 +91,7 @@ def plan(out: Path, ranks: int, without_vllm: str | None) -> list[Stage]:
     needs_vllm = None if without_vllm is None else f"needs vLLM: {without_vllm}"
     test_files = VLLM_FREE_CUDA_TEST_FILES + (RUNTIME_CUDA_TEST_FILES if without_vllm is None else [])
     bench_out, large_out, run_out = out / "bench", out / "bench_large", out / "run"
+    plane_out, plane_large_out = out / "bench_data_plane", out / "bench_data_plane_large"
     return [
         Stage("cuda_tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-k", "cuda", *test_files], 150),
         Stage("routing_op", [sys.executable, "benchmarks/bench_routing_ops.py", "--device", "cuda",
@@ -95,6 +102,12 @@ def plan(out: Path, ranks: int, without_vllm: str | None) -> list[Stage]:
                               *LARGE_SHAPE, "--out", str(large_out)], 150, large_out / "bench.json", needs_vllm),
         Stage("run", [*cli, "run", "--device", "cuda", "--mode", "graph", "--ranks", str(ranks), "--steps", "1100",
                       "--interval", "10", "--out", str(run_out)], 150, run_out / "report.json", needs_vllm),
+        # vLLM-free, last: where vLLM runs, the stages above are worth more of the budget
+        Stage("bench_data_plane", [*cli, "bench", "--device", "cuda", "--data-plane", "--steps", "300",
+                                   "--out", str(plane_out)], 120, plane_out / "bench.json"),
+        Stage("bench_data_plane_large", [*cli, "bench", "--device", "cuda", "--data-plane", "--steps", "200",
+                                         *LARGE_SHAPE, "--out", str(plane_large_out)], 120,
+              plane_large_out / "bench.json"),
     ]
 
 
@@ -126,6 +139,24 @@ class Stages:
         return entry
 
 
+def bench_figures(bench: dict) -> str:
+    """A bench.json in one line: on_idle / off per mode, the rearranging ratio where measured,
+    graph mode's speedup over eager, and any failed check."""
+    parts = []
+    for mode, ratios in bench.get("ratios", {}).items():
+        if not isinstance(ratios, dict):
+            continue
+        part = f"{mode} on_idle/off {ratios.get('on_idle_over_off')} (A/A {ratios.get('off_twin_over_off')})"
+        if "rearranging_p99_over_steady_p50" in ratios:
+            part += f", rearranging p99/steady p50 {ratios['rearranging_p99_over_steady_p50']}"
+        parts.append(part)
+    speedup = bench.get("ratios", {}).get("graph_speedup_over_eager_decode")
+    if speedup is not None:
+        parts.append(f"graph speedup over eager {speedup}x")
+    parts.extend(f"FAILED {problem}" for problem in bench.get("failed_checks", []))
+    return "; ".join(parts)
+
+
 def summary_rows(report: dict) -> list[str]:
     rows = [f"{'stage':<12} {'status':<22} figures"]
     for name, entry in report.items():
@@ -133,8 +164,8 @@ def summary_rows(report: dict) -> list[str]:
         figures = ""
         if name == "cuda_tests":
             figures = ((entry.get("tail") or "").strip().splitlines() or [""])[-1]
-        elif name in ("bench", "bench_large") and data:
-            figures = "; ".join(f"{mode}: {ratio}" for mode, ratio in data.get("ratios", {}).items())
+        elif name.startswith("bench") and data:
+            figures = bench_figures(data)
         elif name == "run" and data:
             figures = (f"rearrangements {data['rearrangements']}, recaptures {data['recaptures']}, recompiles "
                        f"{data['recompiles']}, mismatches {data['output_mismatches']}, balancedness "
@@ -172,11 +203,12 @@ def main() -> int:
     report = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
               "ranks": ranks, "vllm": without_vllm or "importable", "stages": stages.report}
     (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=2))
-    bench = stages.report["bench"].get("json")
-    if bench is not None:
-        from eplb_graph.bench import format_table
+    from eplb_graph.bench import format_table
 
-        print(format_table(bench))
+    for name in ("bench", "bench_data_plane"):  # the full bench, or without vLLM the data-plane one
+        bench = stages.report[name].get("json")
+        if bench is not None:
+            print(f"\n{name}:\n{format_table(bench)}")
     print("\n".join(summary_rows(stages.report)))  # the table, last
     return 0 if all(entry["status"] == "ok" for entry in stages.report.values()) else 1
 

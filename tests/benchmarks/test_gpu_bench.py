@@ -32,7 +32,12 @@ def test_without_vllm_the_vllm_free_stages_still_run(tmp_path):
     # the ops, the lookup under graph replay and CapturedForward need no vLLM: their CUDA tests run
     assert "tests/eplb_graph/test_runtime.py" not in partial["cuda_tests"].command
     assert "tests/eplb_graph/test_graph_capture.py" in partial["cuda_tests"].command
+    assert "tests/eplb_graph/test_bench_data_plane.py" in partial["cuda_tests"].command
     assert partial["routing_op"].skip_why is None
+    # the data plane's cost in eager / compiled / graph mode is measured either way
+    for name in ("bench_data_plane", "bench_data_plane_large"):
+        assert partial[name].skip_why is None and "--data-plane" in partial[name].command
+    assert list(partial)[-2:] == ["bench_data_plane", "bench_data_plane_large"]  # after the stages that need vLLM
 
 
 def test_the_summary_names_every_stage_with_its_figures():
@@ -47,6 +52,22 @@ def test_the_summary_names_every_stage_with_its_figures():
     assert rows[1].split() == ["cuda_tests", "ok", "12", "passed", "in", "30.1s"]
     assert rows[2].split() == ["bench", "skipped", "20", "s", "of", "the", "budget", "left"]
     assert "rearrangements 110, recaptures 0" in rows[3] and "0.89 -> 0.96" in rows[3]
+
+
+def test_the_summary_reads_a_bench_in_one_line():
+    gpu_bench = load_benchmark("gpu_bench")
+    data_plane = {"ratios": {"eager": {"on_idle_over_off": 1.02, "off_twin_over_off": 0.99},
+                             "graph": {"on_idle_over_off": 1.04, "off_twin_over_off": 1.01},
+                             "graph_speedup_over_eager_decode": 3.1},
+                  "failed_checks": ["graph: the routing op recorded [0, 0] tokens per layer, expected 1280 each"]}
+    assert gpu_bench.bench_figures(data_plane) == (
+        "eager on_idle/off 1.02 (A/A 0.99); graph on_idle/off 1.04 (A/A 1.01); graph speedup over eager 3.1x; "
+        "FAILED graph: the routing op recorded [0, 0] tokens per layer, expected 1280 each")
+    full = {"ratios": {"graph": {"on_idle_over_off": 1.01, "off_twin_over_off": 1.0,
+                                 "rearranging_p99_over_steady_p50": 1.12}}}
+    assert gpu_bench.bench_figures(full) == "graph on_idle/off 1.01 (A/A 1.0), rearranging p99/steady p50 1.12"
+    [_, row] = gpu_bench.summary_rows({"bench_data_plane": {"status": "ok", "json": data_plane}})
+    assert row.split()[:2] == ["bench_data_plane", "ok"] and "graph speedup over eager 3.1x" in row
 
 
 def test_a_stage_runs_reads_its_json_and_a_skipped_stage_never_runs(tmp_path):
