@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_commit.py --out $(OUT)/bench_commit.json
 	$(VENV)/bin/python benchmarks/bench_policy_stall.py --out $(OUT)/bench_policy_stall.json
 	$(VENV)/bin/eplb-graph bench --out $(OUT)/bench
+	$(VENV)/bin/eplb-graph bench --data-plane --steps 1000 --out $(OUT)/bench_data_plane
 	$(VENV)/bin/python benchmarks/bench_injected_work.py --out $(OUT)/bench_injected_work.json
 
 clean:
