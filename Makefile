@@ -25,6 +25,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_routing_ops.py --out $(OUT)/bench_routing_ops.json
+	$(VENV)/bin/python benchmarks/bench_op_in_step.py --out $(OUT)/bench_op_in_step.json
 	$(VENV)/bin/python benchmarks/bench_movement.py --out $(OUT)/bench_movement.json
 	$(VENV)/bin/python benchmarks/bench_commit.py --out $(OUT)/bench_commit.json
 	$(VENV)/bin/python benchmarks/bench_policy_stall.py --out $(OUT)/bench_policy_stall.json

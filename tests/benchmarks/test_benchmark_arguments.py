@@ -40,6 +40,7 @@ def test_stack_spec_refuses_what_cannot_run(spec, ranks, message):
         ("bench_policy_stall.py", ["--shapes", "llama"], "bench_policy_stall: --shapes: unknown ['llama']"),
         ("bench_injected_work.py", ["--work-us", "-1"], "bench_injected_work: --work-us must be >= 0, got -1.0"),
         ("bench_injected_work.py", ["--steps", "5"], "bench_injected_work: --steps must be >= 20, got 5"),
+        ("bench_op_in_step.py", ["--rounds", "0"], "bench_op_in_step: --rounds must be >= 1, got 0"),
     ],
 )
 def test_a_benchmark_stops_before_running(script, args, message, tmp_path):
