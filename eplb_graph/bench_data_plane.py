@@ -109,6 +109,7 @@ def data_plane_steps(cfg: RunConfig) -> dict:
         "recaptures": prepared.recaptures,
         "checks": {
             "output_tolerance": agreement.tolerance,
+            "on_idle_vs_off_steps_checked": agreement.steps,
             "on_idle_vs_off_mismatches": agreement.mismatches,
             "on_idle_vs_off_max_abs_diff": agreement.max_abs_diff,
             "load_recorded_per_layer": (load_after - load_before).sum(-1).tolist(),  # [L]

@@ -26,7 +26,7 @@ def test_data_plane_bench_times_a_routing_op_that_routes_and_records():
     for mode in ("eager", "compiled"):
         checks = report["checks"][mode]
         # identity placement: every id reaches a copy of its own expert, so on_idle computes what off computes
-        assert checks["on_idle_vs_off_mismatches"] == 0
+        assert checks["on_idle_vs_off_mismatches"] == 0 and checks["on_idle_vs_off_steps_checked"] == 20
         if mode == "eager":
             assert checks["output_tolerance"] == 0 and checks["on_idle_vs_off_max_abs_diff"] == 0
         # 20 decode steps of 16 tokens, top-4: every routed pair counted once, per layer
