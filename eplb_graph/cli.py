@@ -188,7 +188,7 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode:
     choices = ", ".join(MODES) + (", all (every mode the device has)" if mode == "all" else "")
     parser.add_argument("--mode", default=mode, help=f"one of {choices}")
     parser.add_argument("--device", default="cpu", help=f"one of {', '.join(DEVICES)}")
-    parser.add_argument("--ranks", type=int, default=ranks, help="EP ranks, one process each (default 2)")
+    parser.add_argument("--ranks", type=int, default=ranks, help="EP ranks, one process each (default 2; bench --data-plane: 1)")
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--format", default="unquantized", help="unquantized | w8a8_dynamic | w4a8")
     parser.add_argument("--expert-kernel", default="pairs",
