@@ -104,9 +104,11 @@ def plan(out: Path, ranks: int, without_vllm: str | None) -> list[Stage]:
                       "--interval", "10", "--out", str(run_out)], 150, run_out / "report.json", needs_vllm),
         # vLLM-free, last: where vLLM runs, the stages above are worth more of the budget
         Stage("bench_data_plane", [*cli, "bench", "--device", "cuda", "--data-plane", "--steps", "300",
-                                   "--out", str(plane_out)], 120, plane_out / "bench.json"),
+                                   "--out", str(plane_out)], 180, plane_out / "bench.json"),
+        # 180 s each: up to four cold Inductor compiles per shape (off and on_idle, at capture
+        # sizes 16 and 64 for graph mode), the rest of the budget where vLLM is absent
         Stage("bench_data_plane_large", [*cli, "bench", "--device", "cuda", "--data-plane", "--steps", "200",
-                                         *LARGE_SHAPE, "--out", str(plane_large_out)], 120,
+                                         *LARGE_SHAPE, "--out", str(plane_large_out)], 180,
               plane_large_out / "bench.json"),
     ]
 
