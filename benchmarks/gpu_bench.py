@@ -102,11 +102,11 @@ def plan(out: Path, ranks: int, without_vllm: str | None) -> list[Stage]:
                               *LARGE_SHAPE, "--out", str(large_out)], 150, large_out / "bench.json", needs_vllm),
         Stage("run", [*cli, "run", "--device", "cuda", "--mode", "graph", "--ranks", str(ranks), "--steps", "1100",
                       "--interval", "10", "--out", str(run_out)], 150, run_out / "report.json", needs_vllm),
-        # vLLM-free, last: where vLLM runs, the stages above are worth more of the budget
+        # vLLM-free, last: where vLLM runs, the stages above are worth more of the budget. 180 s
+        # each: up to four cold Inductor compiles per shape (off and on_idle, at capture sizes
+        # 16 and 64 for graph mode); where vLLM is absent they have the rest of the budget
         Stage("bench_data_plane", [*cli, "bench", "--device", "cuda", "--data-plane", "--steps", "300",
                                    "--out", str(plane_out)], 180, plane_out / "bench.json"),
-        # 180 s each: up to four cold Inductor compiles per shape (off and on_idle, at capture
-        # sizes 16 and 64 for graph mode), the rest of the budget where vLLM is absent
         Stage("bench_data_plane_large", [*cli, "bench", "--device", "cuda", "--data-plane", "--steps", "200",
                                          *LARGE_SHAPE, "--out", str(plane_large_out)], 180,
               plane_large_out / "bench.json"),
