@@ -177,8 +177,11 @@ def paired_models(on: tuple, off: tuple, twin: tuple, on_cfg: RunConfig, off_cfg
     RankLayers, flags), as ``prepare_models`` takes them, in compile order: the twin compiles
     first, since the process's first compile pays the cold caches (~2-5 s here), which would
     otherwise make "off" look several times costlier to compile than "on_idle"."""
-    return {"off_twin": (twin[0], off_cfg, [], twin[3]), "off": (off[0], off_cfg, [], off[3]),
-            "on_idle": (on[0], on_cfg, on[2], on[3])}
+    on_model, _, on_layers, on_flags = on
+    off_model, _, _, off_flags = off
+    twin_model, _, _, twin_flags = twin
+    return {"off_twin": (twin_model, off_cfg, [], twin_flags), "off": (off_model, off_cfg, [], off_flags),
+            "on_idle": (on_model, on_cfg, on_layers, on_flags)}
 
 
 def paired_times(timed: dict[str, list[TimedStep]]) -> dict[str, list[float]]:
@@ -227,6 +230,13 @@ def idle_ratios(idle: list[float], off: list[float], twin: list[float], idle_hos
     }
 
 
+def graph_mode_note(device: str) -> str:
+    """What a report's "graph" mode means on ``device``."""
+    if device == "cpu":
+        return "on CPU the graph mode is the compiled mode (no capture exists on the host)"
+    return "graph: the compiled forward captured as one device graph per capture size"
+
+
 def graph_speedup(results: list[dict], device: str) -> float | None:
     """Eager p50 over graph-mode p50 of the EPLB-on (idle) decode step; on CPU the compiled mode
     is the graph mode. None unless both ran."""
@@ -243,7 +253,7 @@ def _worst(counts: list[int | None]) -> int | None:
 
 
 def result_entry(mode: str, eplb: str, steps: list[float], cfg: RunConfig, *, compile_s: float, recompiles: int,
-           recaptures: int | None, rearrangements: int = 0) -> dict:
+                 recaptures: int | None, rearrangements: int = 0) -> dict:
     tokens = cfg.decode_tokens * cfg.ranks
     return {
         "mode": mode,
@@ -286,13 +296,13 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
         recompiles = max(r["recompiles"] for r in paired)
         entries = [
             result_entry(mode, "off", off_steps, base, compile_s=max(r["compile_s"]["off"] for r in paired),
-                   recompiles=recompiles, recaptures=_worst([r["recaptures"]["off"] for r in paired])),
+                         recompiles=recompiles, recaptures=_worst([r["recaptures"]["off"] for r in paired])),
             result_entry(mode, "on_idle", idle_steps, base, compile_s=max(r["compile_s"]["on_idle"] for r in paired),
-                   recompiles=recompiles, recaptures=_worst([r["recaptures"]["on_idle"] for r in paired])),
+                         recompiles=recompiles, recaptures=_worst([r["recaptures"]["on_idle"] for r in paired])),
             result_entry(mode, "on_rearranging", rearranging or steady, busy_cfg,
-                   compile_s=max(r["compile_or_capture_s"] for r in busy), recompiles=max(r["recompiles"] for r in busy),
-                   recaptures=_worst([r["recaptures"] for r in busy]),
-                   rearrangements=min(r["rearrangements_finished"] for r in busy)),
+                         compile_s=max(r["compile_or_capture_s"] for r in busy),
+                         recompiles=max(r["recompiles"] for r in busy), recaptures=_worst([r["recaptures"] for r in busy]),
+                         rearrangements=min(r["rearrangements_finished"] for r in busy)),
         ]
         results.extend(entries)
         idle_host = [ms for r in paired for ms in r["times"]["on_idle_eplb_host"]]
@@ -322,8 +332,7 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
         "decode_tokens_per_rank": base.decode_tokens,
         "capture_sizes": list(base.capture_sizes),
         "policy_process": base.policy_process,  # on_rearranging: upstream's policy in a helper process
-        "note": "on CPU the graph mode is the compiled mode (no capture exists on the host)" if base.device == "cpu"
-        else "graph: the compiled forward captured as one device graph per capture size",
+        "note": graph_mode_note(base.device),
         "results": results,
         "ratios": ratios,
         "targets": {"on_idle_over_off": 1.05, "rearranging_p99_over_steady_p50": 1.15},
@@ -386,7 +395,7 @@ def write_chart(out: Path, report: dict) -> Path:
     ax.bar([x + 0.2 for x in xs], [r["p99_ms"] for r in report["results"]], width=0.4, label="p99")
     ax.set_xticks(list(xs), labels, fontsize=8)
     ax.set_ylabel("decode step, ms")
-    scope = ", data plane only" if "control_plane" in report and report["control_plane"] is None else ""
+    scope = ", data plane only" if report.get("data_plane_only") else ""
     ax.set_title(f"eplb-graph bench: {report['ranks']} rank(s) on {report['device']}{scope}")
     ax.legend()
     path = out / "bench.png"

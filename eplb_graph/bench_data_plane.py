@@ -29,6 +29,7 @@ import torch
 
 from eplb_graph.bench import (
     check_bench_steps,
+    graph_mode_note,
     graph_speedup,
     idle_ratios,
     paired_models,
@@ -133,17 +134,23 @@ def failed_checks(mode: str, checks: dict) -> list[str]:
     return problems
 
 
+def check_data_plane_config(cfg: RunConfig) -> None:
+    """What the data-plane bench cannot run, refused before anything is built or written."""
+    check_bench_steps(cfg.steps)
+    if cfg.ranks != 1:
+        raise ValueError(f"the data-plane bench (--data-plane) runs one process (EP size 1, no collective), "
+                         f"got {cfg.ranks} ranks")
+    if cfg.policy_process:
+        raise ValueError("the data-plane bench (--data-plane) runs no control plane: --policy-process does not apply")
+
+
 def run_data_plane_bench(base: RunConfig, modes: tuple[str, ...], *,
                          log: Callable[[str], None] | None = None) -> dict:
     """``bench.run_bench``'s report for off and on_idle, from this one process; no on_rearranging
     (rearranging is upstream's). ``failed_checks`` in the report names what makes its timings
     untrustworthy (empty when nothing does)."""
     log = log or (lambda line: None)
-    check_bench_steps(base.steps)
-    if base.ranks != 1:
-        raise ValueError(f"the data-plane bench runs one process (EP size 1, no collective), got ranks={base.ranks}")
-    if base.policy_process:
-        raise ValueError("the data-plane bench runs no control plane, so no policy process")
+    check_data_plane_config(base)
     results, ratios, checks = [], {}, {}
     for mode in modes:
         start = time.monotonic()
@@ -162,7 +169,7 @@ def run_data_plane_bench(base: RunConfig, modes: tuple[str, ...], *,
         ratios["graph_speedup_over_eager_decode"] = speedup
     return {
         "device": base.device,
-        "control_plane": None,  # data plane only: no upstream EPLB step, no rearrangement
+        "data_plane_only": True,  # no upstream EPLB step, no rearrangement
         "expert_kernel": base.expert_kernel,
         "ranks": 1,
         "steps_per_run": base.steps,
@@ -170,8 +177,7 @@ def run_data_plane_bench(base: RunConfig, modes: tuple[str, ...], *,
         "capture_sizes": list(base.capture_sizes),
         "note": "data plane only (one process, EP size 1, no vLLM): the routing op at identity placement with "
                 "load recording, without upstream's per-step host work or any rearrangement; "
-                + ("on CPU the graph mode is the compiled mode" if base.device == "cpu"
-                   else "graph: the compiled forward captured as one device graph per capture size"),
+                + graph_mode_note(base.device),
         "results": results,
         "ratios": ratios,
         "checks": checks,

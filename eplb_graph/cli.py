@@ -144,21 +144,18 @@ def _log(line: str) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from eplb_graph.bench import bench_modes, format_table, run_bench, write_chart
+    from eplb_graph.bench import bench_modes, check_bench_steps, format_table, run_bench, write_chart
+    from eplb_graph.bench_data_plane import check_data_plane_config, run_data_plane_bench
 
     modes = bench_modes(args.mode, args.device)
+    default_ranks = 1 if args.data_plane else 2
+    config = _run_config(args, mode=modes[0], ranks=default_ranks if args.ranks is None else args.ranks)
     if args.data_plane:
-        from eplb_graph.bench_data_plane import run_data_plane_bench
-
-        if args.ranks not in (None, 1):
-            raise ValueError(f"--data-plane runs one process (EP size 1, no collective), got --ranks {args.ranks}")
-        if args.policy_process:
-            raise ValueError("--data-plane runs no control plane: --policy-process does not apply")
-        config = _run_config(args, mode=modes[0], ranks=1)
+        check_data_plane_config(config)  # before --out is made
         out = _output_dir(args.out)
         report = run_data_plane_bench(config, modes, log=_log)
     else:
-        config = _run_config(args, mode=modes[0], ranks=2 if args.ranks is None else args.ranks)
+        check_bench_steps(config.steps)
         out = _output_dir(args.out)
         report = run_bench(config, modes, timeout_s=args.timeout, log=_log)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
