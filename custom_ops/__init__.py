@@ -9,8 +9,10 @@
          see layer_routing.py)
 
 Kernels per dispatch key:
-  CPU          a numba loop (custom_ops/cpu_routing.py) where numba imports, else the torch
-               composite (custom_ops/routing.py)
+  CPU          map_and_record_layer: C++ (csrc/layer_routing.cpp, built once per machine by
+               native_routing.py) where it can be built; the others, and map_and_record_layer
+               where C++ cannot be had: a numba loop (custom_ops/cpu_routing.py) where numba
+               imports, else the torch composite (custom_ops/routing.py)
   CUDA         one Triton launch where Triton is importable, else the torch composite
   PrivateUse1  torch composite (torch_npu implements the aten ops it uses); torch_npu is
                never imported here -- the registration is inert until an NPU backend exists
@@ -23,7 +25,7 @@ import importlib.util
 
 import torch
 
-from . import layer_routing, routing
+from . import layer_routing, native_routing, routing
 from .layer_routing import LAYER_TABLES, LayerTableRegistry
 
 NAMESPACE = "eplb_graph"
@@ -60,7 +62,8 @@ def _on_first_call(module: str, name: str, *, construct: bool = False):
     return call
 
 
-def _register(lib: torch.library.Library) -> None:
+def _register(lib: torch.library.Library) -> str:
+    """Defines and implements the ops; returns which CPU kernel serves map_and_record_layer."""
     lib.define(routing.MAP_TO_PHYSICAL_SCHEMA)
     lib.define(routing.RECORD_LOAD_SCHEMA)
     lib.define(routing.MAP_AND_RECORD_SCHEMA)
@@ -71,7 +74,9 @@ def _register(lib: torch.library.Library) -> None:
         "map_and_record": routing.map_and_record_kernel,
     }
     cpu, cpu_layer_kernel = dict(composite), layer_routing.on_tables(routing.map_and_record_composite)
+    cpu_layer_name = "composite"
     if _numba_available():
+        cpu_layer_name = "numba"
         cpu_map_and_record = _on_first_call("cpu_routing", "map_and_record_cpu")
         cpu_layer_kernel = _on_first_call("cpu_routing", "LayerMapAndRecord", construct=True)
         cpu["map_to_physical"] = routing.checked_map_to_physical(_on_first_call("cpu_routing", "map_to_physical_cpu"))
@@ -93,7 +98,13 @@ def _register(lib: torch.library.Library) -> None:
     torch.library.register_fake(f"{NAMESPACE}::map_to_physical", routing.map_to_physical_fake, lib=lib)
     torch.library.register_fake(f"{NAMESPACE}::record_load", routing.record_load_fake, lib=lib)
     torch.library.register_fake(f"{NAMESPACE}::map_and_record", routing.map_and_record_fake, lib=lib)
+    native = native_routing.load_native_kernel()  # registers its own CPU kernel on load
+    if native is not None:
+        cpu_layer_kernel, cpu_layer_name = None, "native"
     layer_routing.register(lib, cpu_layer_kernel, cuda_layer_kernel)
+    if native is not None:
+        LAYER_TABLES.attach_native(native)
+    return cpu_layer_name
 
 
 def _already_registered() -> bool:
@@ -105,9 +116,11 @@ def _already_registered() -> bool:
 # The Library object owns the registrations: they live exactly as long as it does, so it
 # is held for the life of the process, like every torch.library fragment.
 _LIBRARY: torch.library.Library | None = None
+# "native" (C++), "numba" or "composite": what a CPU call of map_and_record_layer runs.
+CPU_LAYER_KERNEL = "registered by another copy of this module"
 if not _already_registered():
     _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
-    _register(_LIBRARY)
+    CPU_LAYER_KERNEL = _register(_LIBRARY)
 
 map_to_physical = torch.ops.eplb_graph.map_to_physical
 record_load = torch.ops.eplb_graph.record_load
@@ -115,6 +128,7 @@ map_and_record = torch.ops.eplb_graph.map_and_record
 map_and_record_layer = torch.ops.eplb_graph.map_and_record_layer
 
 __all__ = [
+    "CPU_LAYER_KERNEL",
     "LAYER_TABLES",
     "LayerTableRegistry",
     "NAMESPACE",

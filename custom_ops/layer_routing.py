@@ -26,11 +26,25 @@ MAP_AND_RECORD_LAYER_SCHEMA = "map_and_record_layer(Tensor topk_ids, str layer) 
 
 
 class RoutingTables(Protocol):
-    """What the op needs from a layer: its live tables, in the order of map_and_record."""
+    """What the op needs from a layer: its live tables, in the order of map_and_record.
+
+    A layer whose tensors change identity (a rebound load buffer) tells the registry with
+    ``LAYER_TABLES.tables_changed(key)``; refreshes in place need no word.
+    """
 
     def routing_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(lookup, replica_count, load, record_enabled, num_unpadded_tokens)."""
         ...
+
+
+class NativeIndex(Protocol):
+    """A C++ kernel's own copy of the index (native_routing.NativeLayerIndex)."""
+
+    def bind(self, key: str, tensors: tuple[torch.Tensor, ...]) -> None: ...
+
+    def unbind(self, key: str) -> None: ...
+
+    def calls(self, key: str) -> int: ...
 
 
 class LayerTableRegistry:
@@ -38,20 +52,47 @@ class LayerTableRegistry:
 
     Holds weak references: a layer whose owner (an ``EplbHandle``) is gone disappears,
     and a graph that still names it fails with a clear error instead of routing by
-    stale tables.
+    stale tables. Where a C++ kernel serves the op it reads its own index of table
+    tensors, which this registry keeps equal to its own: bound on ``register`` and
+    ``tables_changed`` (validated there, before anything is stored), unbound when a
+    layer is unregistered or dies.
     """
 
     def __init__(self) -> None:
         self._layers: dict[str, weakref.ReferenceType] = {}
+        self._python_calls: dict[str, int] = {}  # calls the Python kernels routed, per key
+        self._native: NativeIndex | None = None
+
+    def attach_native(self, native: NativeIndex) -> None:
+        """From now on ``native`` mirrors this registry (the layers live now included)."""
+        for key, ref in self._layers.items():
+            layer = ref()
+            if layer is not None:
+                native.bind(key, layer.routing_tensors())
+        self._native = native
 
     def register(self, key: str, layer: RoutingTables) -> None:
         existing = self._layers.get(key)
         if existing is not None and existing() is not None and existing() is not layer:
             raise ValueError(f"EPLB layer key {key!r} is already registered to another layer")
-        self._layers[key] = weakref.ref(layer)
+        if self._native is not None:
+            self._native.bind(key, layer.routing_tensors())
+        self._layers[key] = weakref.ref(layer, lambda ref, key=key: self._forget(key, ref))
 
     def unregister(self, key: str) -> None:
-        self._layers.pop(key, None)
+        if self._layers.pop(key, None) is not None and self._native is not None:
+            self._native.unbind(key)
+        self._python_calls.pop(key, None)
+
+    def _forget(self, key: str, ref: weakref.ReferenceType) -> None:
+        """A layer died without ``unregister``: its key goes unless another layer holds it now."""
+        if self._layers.get(key) is ref:
+            self.unregister(key)
+
+    def tables_changed(self, key: str) -> None:
+        """The layer under ``key`` holds new tensors: the C++ index binds them (validated first)."""
+        if self._native is not None and key in self:
+            self._native.bind(key, self.resolve(key).routing_tensors())
 
     def resolve(self, key: str) -> RoutingTables:
         ref = self._layers.get(key)
@@ -62,6 +103,18 @@ class LayerTableRegistry:
                 f"longer exists (known: {sorted(k for k, r in self._layers.items() if r() is not None)[:8]})"
             )
         return layer
+
+    def resolve_for_call(self, key: str) -> RoutingTables:
+        """``resolve``, counted as one call of a Python kernel."""
+        layer = self.resolve(key)
+        self._python_calls[key] = self._python_calls.get(key, 0) + 1
+        return layer
+
+    def calls(self, key: str) -> int:
+        """Op calls that routed by the layer under ``key`` since it was registered, on any kernel
+        (a replayed device graph makes none: the host does not see them)."""
+        native = self._native.calls(key) if self._native is not None and key in self else 0
+        return self._python_calls.get(key, 0) + native
 
     def live(self) -> list[RoutingTables]:
         """The layers registered now and still alive, in registration order."""
@@ -86,14 +139,14 @@ def on_tables(map_and_record_impl):
     return layer_kernel
 
 
-def _make_kernel(layer_kernel):
-    """``layer_kernel(topk_ids, layer)``: map_and_record on that live layer's tables. The
-    tables are the layer's own (LayerLookup creates them typed and validates a rebound load
-    buffer), so the hot path checks only the ids the caller passes."""
+def python_op_kernel(layer_kernel):
+    """The op's kernel in Python over ``layer_kernel(topk_ids, layer)``: map_and_record on
+    that live layer's tables. The tables are the layer's own (LayerLookup creates them typed
+    and validates a rebound load buffer), so the hot path checks only the ids the caller passes."""
 
     def kernel(topk_ids: torch.Tensor, layer: str) -> torch.Tensor:
         routing.check_ids(topk_ids)
-        return layer_kernel(topk_ids, LAYER_TABLES.resolve(layer))
+        return layer_kernel(topk_ids, LAYER_TABLES.resolve_for_call(layer))
 
     return kernel
 
@@ -107,9 +160,11 @@ def map_and_record_layer_fake(topk_ids: torch.Tensor, layer: str) -> torch.Tenso
 
 def register(lib: torch.library.Library, cpu_layer_kernel, cuda_layer_kernel) -> None:
     """Registers the op over per-device layer kernels (``on_tables`` makes one from the
-    table-taking op's implementation, without its table checks)."""
+    table-taking op's implementation, without its table checks). ``cpu_layer_kernel`` None:
+    a C++ kernel registers itself for CPU (native_routing.py)."""
     lib.define(MAP_AND_RECORD_LAYER_SCHEMA)
-    lib.impl("map_and_record_layer", _make_kernel(cpu_layer_kernel), "CPU")
-    lib.impl("map_and_record_layer", _make_kernel(cuda_layer_kernel), "CUDA")
-    lib.impl("map_and_record_layer", _make_kernel(on_tables(routing.map_and_record_composite)), "PrivateUse1")
+    if cpu_layer_kernel is not None:
+        lib.impl("map_and_record_layer", python_op_kernel(cpu_layer_kernel), "CPU")
+    lib.impl("map_and_record_layer", python_op_kernel(cuda_layer_kernel), "CUDA")
+    lib.impl("map_and_record_layer", python_op_kernel(on_tables(routing.map_and_record_composite)), "PrivateUse1")
     torch.library.register_fake("eplb_graph::map_and_record_layer", map_and_record_layer_fake, lib=lib)

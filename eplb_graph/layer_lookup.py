@@ -253,6 +253,7 @@ class LayerLookup:
         self.replica_count = torch.zeros(num_logical_experts, dtype=torch.int32, device=device)
         self.load = torch.zeros(num_physical_experts, dtype=load_dtype, device=device)
         self.physical_to_logical = torch.empty(num_physical_experts, dtype=torch.int64)
+        self.routed_as: set[str] = set()  # keys of the RoutedLayers over these tables
         self.refresh_(initial_placement(num_logical_experts, num_redundant) if placement is None else placement)
 
     @property
@@ -286,7 +287,15 @@ class LayerLookup:
             )
         if load.device != self.device:
             raise ValueError(f"load lives on {load.device}, the lookup on {self.device}")
-        self.load = load
+        previous, self.load = self.load, load
+        try:
+            for key in self.routed_as:  # the C++ kernel's index holds tensors, not this object
+                LAYER_TABLES.tables_changed(key)
+        except Exception:
+            self.load = previous  # a buffer the kernel refuses is not bound anywhere
+            for key in self.routed_as:
+                LAYER_TABLES.tables_changed(key)
+            raise
 
     def reset_load_(self) -> None:
         self.load.zero_()
@@ -316,6 +325,7 @@ class RoutedLayer:
         self.tables = tables
         self.flags = flags
         LAYER_TABLES.register(key, self)
+        tables.routed_as.add(key)
 
     @property
     def lookup(self) -> torch.Tensor:
@@ -336,3 +346,4 @@ class RoutedLayer:
 
     def close(self) -> None:
         LAYER_TABLES.unregister(self.key)
+        self.tables.routed_as.discard(self.key)

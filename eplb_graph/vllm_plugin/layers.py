@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from eplb_graph.custom_ops import LAYER_TABLES
 from eplb_graph.layer_lookup import BatchFlags, LayerLookup, RoutedLayer
 from eplb_graph.passes.router_sites import RouterBinding
 
@@ -78,7 +79,6 @@ class VllmMoELayer(RoutedLayer):
         self.mapped_by = mapped_by
         self.router_path = router_path
         self.graph_mappings = 0  # routing nodes the pass inserted for this layer (0 if a cached graph was served)
-        self.host_calls = 0  # op calls the host saw (eager and CPU graphs; a replayed device graph adds none)
         self.check_agrees_with_upstream()
 
     def router_binding(self) -> RouterBinding:
@@ -86,9 +86,10 @@ class VllmMoELayer(RoutedLayer):
             self.key, self.router_path or "", self.tables.num_logical_experts, self.top_k, router_source=VLLM_ROUTER_SOURCE
         )
 
-    def routing_tensors(self):
-        self.host_calls += 1
-        return super().routing_tensors()
+    @property
+    def host_calls(self) -> int:
+        """Op calls the host saw (eager and CPU graphs; a replayed device graph adds none)."""
+        return LAYER_TABLES.calls(self.key)
 
     def refresh_from_upstream_(self, committed_placement: torch.Tensor) -> bool:
         """Routes by upstream's committed placement from now on. Returns whether it changed."""

@@ -4,10 +4,23 @@ layer kernel follows its layer's live tables."""
 from collections.abc import Callable
 
 import torch
+from hypothesis import strategies as st
 
 from eplb_graph import BatchFlags, build_lookup, validate_placement
 from eplb_graph.custom_ops.routing import map_and_record_composite
 from eplb_graph.layer_lookup import LayerLookup, RoutedLayer
+
+# Hypothesis arguments of a routing case: table sizes, a batch, its flags, the ids' dtype.
+ROUTING_CASES = dict(
+    num_logical=st.integers(1, 12),
+    num_redundant=st.integers(0, 6),
+    num_tokens=st.integers(0, 40),
+    top_k=st.integers(1, 8),
+    num_unpadded=st.integers(0, 50),
+    record=st.booleans(),
+    seed=st.integers(0, 2**16),
+    id_dtype=st.sampled_from([torch.int32, torch.int64]),
+)
 
 
 def random_tables(num_logical: int, num_redundant: int, seed: int):

@@ -1,11 +1,10 @@
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from eplb_graph import BatchFlags, build_lookup
 from eplb_graph.custom_ops.routing import map_and_record_composite
-from tests.custom_ops.routing_cases import check_layer_kernel_follows_its_tables, flags, random_tables
+from tests.custom_ops.routing_cases import ROUTING_CASES, check_layer_kernel_follows_its_tables, flags, random_tables
 from tests.markers import requires_cuda
 from tests.routing_reference import map_to_physical_reference, record_load_reference
 
@@ -38,16 +37,7 @@ def test_opcheck_record_load_and_map_and_record(num_tokens, top_k, load_dtype, f
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    num_logical=st.integers(1, 12),
-    num_redundant=st.integers(0, 6),
-    num_tokens=st.integers(0, 40),
-    top_k=st.integers(1, 8),
-    num_unpadded=st.integers(0, 50),
-    record=st.booleans(),
-    seed=st.integers(0, 2**16),
-    id_dtype=st.sampled_from([torch.int32, torch.int64]),
-)
+@given(**ROUTING_CASES)
 def test_map_and_record_matches_python_reference(
     num_logical, num_redundant, num_tokens, top_k, num_unpadded, record, seed, id_dtype
 ):

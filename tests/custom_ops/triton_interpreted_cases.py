@@ -33,7 +33,7 @@ triton_routing = pytest.importorskip("eplb_graph.custom_ops.triton_routing")
 # exactly what custom_ops/__init__.py registers for the CUDA dispatch key
 map_and_record_cuda = routing.checked_map_and_record(triton_routing.map_and_record_cuda)
 map_to_physical_cuda = routing.checked_map_to_physical(triton_routing.map_to_physical_cuda)
-map_and_record_layer_cuda = layer_routing._make_kernel(layer_routing.on_tables(triton_routing.map_and_record_cuda))
+map_and_record_layer_cuda = layer_routing.python_op_kernel(layer_routing.on_tables(triton_routing.map_and_record_cuda))
 
 cpu_ops = torch.ops.eplb_graph
 

@@ -1,0 +1,89 @@
+"""Builds and loads ``map_and_record_layer``'s C++ CPU kernel (csrc/layer_routing.cpp).
+
+Why C++: the op runs once per MoE layer per forward, and a Python kernel costs ~26 µs a
+call right after a compiled forward, a third of it the dispatcher's trip into Python;
+the C++ kernel is reached from the dispatcher directly.
+
+Built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja) once per machine, into
+a directory named by a digest of the source, torch and Python, and afterwards loaded
+with ``torch.ops.load_library`` alone: a process that finds it built imports no build
+machinery (vLLM's workers load this package at start). Where it cannot be built the
+numba kernel serves (custom_ops/cpu_routing.py) and a warning says why;
+``EPLB_GRAPH_NATIVE_KERNEL=0`` chooses that kernel outright.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+LIBRARY_NAME = "eplb_graph_native"
+SOURCE = Path(__file__).parent / "csrc" / "layer_routing.cpp"
+SWITCH = "EPLB_GRAPH_NATIVE_KERNEL"  # "0": use the numba kernel
+CACHE_DIR = "EPLB_GRAPH_CACHE_DIR"  # default: $XDG_CACHE_HOME/eplb_graph or ~/.cache/eplb_graph
+
+
+def build_directory() -> Path:
+    """Where the library for this source, torch and Python lives (a new one when any changes)."""
+    root = os.environ.get(CACHE_DIR) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eplb_graph"
+    digest = hashlib.sha256()
+    digest.update(SOURCE.read_bytes())
+    digest.update(f"{torch.__version__}|{sys.version}|{sys.platform}".encode())
+    return Path(root) / f"{LIBRARY_NAME}-{digest.hexdigest()[:16]}"
+
+
+class NativeLayerIndex:
+    """The C++ kernel's index, layer key -> table tensors; ``LayerTableRegistry`` keeps it
+    equal to its own (bind on register and on a rebound load buffer, unbind on close or death)."""
+
+    def bind(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
+        """Validates the tables (dtype, shape, one-element flags) and routes ``key`` by them."""
+        torch.ops.eplb_graph_native.bind_layer(key, *tensors)
+
+    def unbind(self, key: str) -> None:
+        torch.ops.eplb_graph_native.unbind_layer(key)
+
+    def calls(self, key: str) -> int:
+        """Calls the C++ kernel routed for ``key`` since it was first bound (0 if unbound)."""
+        return max(int(torch.ops.eplb_graph_native.layer_calls(key)), 0)
+
+
+def _build(directory: Path) -> None:
+    from torch.utils import cpp_extension  # build machinery only when there is something to build
+
+    directory.mkdir(parents=True, exist_ok=True)
+    print(f"eplb_graph: building the C++ routing kernel into {directory} (once per machine)", file=sys.stderr)
+    cpp_extension.load(
+        name=LIBRARY_NAME, sources=[str(SOURCE)], build_directory=str(directory), is_python_module=False,
+        extra_cflags=["-O3"], verbose=False,
+    )  # also loads it
+
+
+def load_native_kernel() -> NativeLayerIndex | None:
+    """Loads (building first if needed) the C++ kernel, which registers itself as
+    ``map_and_record_layer``'s CPU kernel. None where it is switched off or cannot be had."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return None
+    directory = build_directory()
+    library = directory / f"{LIBRARY_NAME}.so"
+    try:
+        if library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            _build(directory)
+    except Exception as error:  # no compiler, no ninja, a read-only cache: the numba kernel serves
+        warnings.warn(
+            f"eplb_graph: the C++ routing kernel could not be built or loaded ({type(error).__name__}: "
+            f"{str(error).strip().splitlines()[-1] if str(error).strip() else ''}); map_and_record_layer "
+            f"uses the numba kernel on CPU. Set {SWITCH}=0 to choose it without trying.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    return NativeLayerIndex()
