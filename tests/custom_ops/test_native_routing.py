@@ -22,12 +22,13 @@ from eplb_graph.layer_lookup import LayerLookup, RoutedLayer
 from tests.custom_ops.routing_cases import ROUTING_CASES, check_layer_kernel_follows_its_tables, random_tables
 from tests.routing_reference import map_to_physical_reference, record_load_reference
 
-CAN_BUILD = shutil.which(os.environ.get("CXX", "c++")) is not None and shutil.which("ninja") is not None
+CAN_BUILD = (shutil.which(os.environ.get("CXX", "c++")) is not None and shutil.which("ninja") is not None
+             and os.environ.get(native_routing.SWITCH) != "0")
 native_only = pytest.mark.skipif(CPU_LAYER_KERNEL != "native", reason="the C++ kernel is not what serves CPU here")
 op = torch.ops.eplb_graph.map_and_record_layer
 
 
-@pytest.mark.skipif(not CAN_BUILD, reason="no C++ compiler or ninja on this machine")
+@pytest.mark.skipif(not CAN_BUILD, reason="no C++ compiler or ninja on this machine, or the C++ kernel switched off")
 def test_a_machine_that_can_build_routes_cpu_calls_through_cpp():
     assert CPU_LAYER_KERNEL == "native"
     assert native_routing.build_directory().joinpath(f"{native_routing.LIBRARY_NAME}.so").exists()
@@ -165,7 +166,8 @@ def test_switched_off_the_numba_kernel_serves_cpu_calls():
 
 
 def test_a_failed_build_falls_back_to_numba_with_a_warning_naming_it(tmp_path):
-    done = _fresh_interpreter(FOLLOWS, **{native_routing.CACHE_DIR: str(tmp_path), "CXX": "/bin/false"})
+    done = _fresh_interpreter(FOLLOWS, **{native_routing.CACHE_DIR: str(tmp_path), "CXX": "/bin/false",
+                                          native_routing.SWITCH: "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[0] == "numba"
     assert "the C++ routing kernel could not be built or loaded" in done.stderr
