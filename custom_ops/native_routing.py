@@ -51,7 +51,7 @@ class NativeLayerIndex:
 
     def calls(self, key: str) -> int:
         """Calls the C++ kernel routed for ``key`` since it was first bound (0 if unbound)."""
-        return max(int(torch.ops.eplb_graph_native.layer_calls(key)), 0)
+        return int(torch.ops.eplb_graph_native.layer_calls(key))
 
 
 def _build(directory: Path) -> None:
@@ -78,9 +78,10 @@ def load_native_kernel() -> NativeLayerIndex | None:
         else:
             _build(directory)
     except Exception as error:  # no compiler, no ninja, a read-only cache: the numba kernel serves
+        last_line = (str(error).strip().splitlines() or [""])[-1]  # a build error's summary line
         warnings.warn(
             f"eplb_graph: the C++ routing kernel could not be built or loaded ({type(error).__name__}: "
-            f"{str(error).strip().splitlines()[-1] if str(error).strip() else ''}); map_and_record_layer "
+            f"{last_line}); map_and_record_layer "
             f"uses the numba kernel on CPU. Set {SWITCH}=0 to choose it without trying.",
             RuntimeWarning,
             stacklevel=2,

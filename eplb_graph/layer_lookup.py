@@ -289,13 +289,16 @@ class LayerLookup:
             raise ValueError(f"load lives on {load.device}, the lookup on {self.device}")
         previous, self.load = self.load, load
         try:
-            for key in self.routed_as:  # the C++ kernel's index holds tensors, not this object
-                LAYER_TABLES.tables_changed(key)
+            self._announce_new_tensors()
         except Exception:
             self.load = previous  # a buffer the kernel refuses is not bound anywhere
-            for key in self.routed_as:
-                LAYER_TABLES.tables_changed(key)
+            self._announce_new_tensors()
             raise
+
+    def _announce_new_tensors(self) -> None:
+        # The C++ kernel's index holds tensors, not this object: it must be told.
+        for key in self.routed_as:
+            LAYER_TABLES.tables_changed(key)
 
     def reset_load_(self) -> None:
         self.load.zero_()

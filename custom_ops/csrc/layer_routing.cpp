@@ -220,10 +220,10 @@ void bind_layer(c10::string_view key, const at::Tensor& lookup, const at::Tensor
 
 void unbind_layer(c10::string_view key) { layer_index().unbind(std::string(key)); }
 
-// Calls routed for key since it was bound (-1: none bound).
+// Calls routed for key since it was bound (0 when nothing is bound).
 int64_t layer_calls(c10::string_view key) {
   std::shared_ptr<LayerTables> tables = layer_index().find(std::string(key));
-  return tables == nullptr ? -1 : tables->calls.load(std::memory_order_relaxed);
+  return tables == nullptr ? 0 : tables->calls.load(std::memory_order_relaxed);
 }
 
 }  // namespace

@@ -69,11 +69,6 @@ def test_the_cpp_kernel_matches_the_reference_and_the_numba_kernel(
         layer.close()
 
 
-@native_only
-def test_the_cpp_kernel_follows_refreshes_flags_and_a_rebound_load_buffer():
-    check_layer_kernel_follows_its_tables(op, "native.follow")
-
-
 def test_the_numba_kernel_behind_a_python_kernel_follows_its_layer_too():
     # what serves CPU calls where C++ cannot be built
     check_layer_kernel_follows_its_tables(layer_routing.python_op_kernel(cpu_routing.LayerMapAndRecord()), "numba.follow")

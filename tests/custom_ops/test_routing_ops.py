@@ -183,4 +183,5 @@ def test_cuda_kernel_matches_the_cpu_kernel(num_tokens, id_dtype):
 
 
 def test_the_layer_op_follows_refreshes_flags_and_a_rebound_load_buffer():
+    # the registered op: the C++ kernel where it was built, else numba (CPU_LAYER_KERNEL)
     check_layer_kernel_follows_its_tables(ops.map_and_record_layer, "follow.0")
