@@ -40,18 +40,29 @@ def build_directory() -> Path:
 
 class NativeLayerIndex:
     """The C++ kernel's index, layer key -> table tensors; ``LayerTableRegistry`` keeps it
-    equal to its own (bind on register and on a rebound load buffer, unbind on close or death)."""
+    equal to its own (bind on register and on a rebound load buffer, unbind on close or death).
+
+    Holds its ops and ``sys.is_finalizing``: a layer still alive when the interpreter exits
+    dies during shutdown, after this module's globals are cleared, and its unbind must
+    neither fail nor call into a library being torn down (the index goes with the process).
+    """
+
+    def __init__(self) -> None:
+        ops = torch.ops.eplb_graph_native
+        self._bind_layer, self._unbind_layer, self._layer_calls = ops.bind_layer, ops.unbind_layer, ops.layer_calls
+        self._is_finalizing = sys.is_finalizing
 
     def bind(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
         """Validates the tables (dtype, shape, one-element flags) and routes ``key`` by them."""
-        torch.ops.eplb_graph_native.bind_layer(key, *tensors)
+        self._bind_layer(key, *tensors)
 
     def unbind(self, key: str) -> None:
-        torch.ops.eplb_graph_native.unbind_layer(key)
+        if not self._is_finalizing():
+            self._unbind_layer(key)
 
     def calls(self, key: str) -> int:
         """Calls the C++ kernel routed for ``key`` since it was first bound (0 if unbound)."""
-        return int(torch.ops.eplb_graph_native.layer_calls(key))
+        return int(self._layer_calls(key))
 
 
 def _build(directory: Path) -> None:
