@@ -191,8 +191,7 @@ class BatchFlags:
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.record_enabled = torch.ones((), dtype=torch.bool, device=device)
-        self.num_unpadded_tokens = torch.zeros((), dtype=torch.int64, device=device)
+        self._hold(torch.ones((), dtype=torch.bool, device=device), torch.zeros((), dtype=torch.int64, device=device))
 
     @classmethod
     def sharing(cls, record_enabled: torch.Tensor, num_unpadded_tokens: torch.Tensor) -> BatchFlags:
@@ -203,13 +202,26 @@ class BatchFlags:
         if record_enabled.device != num_unpadded_tokens.device:
             raise ValueError(f"flags on different devices: {record_enabled.device} and {num_unpadded_tokens.device}")
         flags = cls.__new__(cls)
-        flags.record_enabled = record_enabled
-        flags.num_unpadded_tokens = num_unpadded_tokens
+        flags._hold(record_enabled, num_unpadded_tokens)
         return flags
+
+    def _hold(self, record_enabled: torch.Tensor, num_unpadded_tokens: torch.Tensor) -> None:
+        self.record_enabled = record_enabled
+        self.num_unpadded_tokens = num_unpadded_tokens
+        # On the host, set_ writes through numpy views of the flags' own storage: a fill_ is
+        # a dispatcher call, ~3-4 us each right after a compiled step, paid every step.
+        self._host_views = None
+        if record_enabled.device.type == "cpu":
+            self._host_views = tuple(flag.detach().numpy().reshape(()) for flag in (record_enabled, num_unpadded_tokens))
 
     def set_(self, *, record: bool, num_unpadded_tokens: int) -> None:
         if num_unpadded_tokens < 0:
             raise ValueError(f"num_unpadded_tokens must be >= 0, got {num_unpadded_tokens}")
+        if self._host_views is not None:
+            record_view, tokens_view = self._host_views
+            tokens_view[()] = int(num_unpadded_tokens)  # first: one too large for the flag's dtype fails here
+            record_view[()] = bool(record)
+            return
         self.record_enabled.fill_(bool(record))
         self.num_unpadded_tokens.fill_(int(num_unpadded_tokens))
 

@@ -129,6 +129,22 @@ def test_constructor_rejects_impossible_sizes():
         BatchFlags().set_(record=True, num_unpadded_tokens=-1)
 
 
+def test_flags_are_written_into_their_own_storage_shared_ones_included():
+    own = BatchFlags()
+    tensors = own.record_enabled, own.num_unpadded_tokens
+    own.set_(record=False, num_unpadded_tokens=7)
+    assert (own.record_enabled, own.num_unpadded_tokens) == tensors  # the very tensors a graph holds
+    assert own.record_enabled.item() is False and own.num_unpadded_tokens.item() == 7
+
+    upstream_record, upstream_tokens = torch.ones(1, dtype=torch.bool), torch.zeros(3, dtype=torch.int32)[1:2]
+    shared = BatchFlags.sharing(upstream_record, upstream_tokens)
+    shared.set_(record=False, num_unpadded_tokens=5)
+    assert upstream_record.tolist() == [False] and upstream_tokens.tolist() == [5]
+    with pytest.raises(OverflowError):  # too large for upstream's int32: nothing is written
+        shared.set_(record=True, num_unpadded_tokens=2**40)
+    assert upstream_record.tolist() == [False] and upstream_tokens.tolist() == [5]
+
+
 def test_logical_load_folds_replicas():
     layer = LayerLookup(3, 5, placement=torch.tensor([0, 1, 2, 0, 0]))
     layer.load.copy_(torch.tensor([1, 2, 3, 4, 5]))
