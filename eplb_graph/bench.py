@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from eplb_graph.custom_ops import CPU_LAYER_KERNEL
 from eplb_graph.launch import Heartbeat, run_ranks
 from eplb_graph.run_report import over_median, percentile
 from eplb_graph.runner import (
@@ -327,6 +328,8 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
     return {
         "device": base.device,
         "expert_kernel": base.expert_kernel,
+        "cpp_wrapper": base.cpp_wrapper,  # compiled mode: Inductor's wrapper in C++
+        "cpu_layer_kernel": CPU_LAYER_KERNEL,  # what serves the routing op on the host: native (C++) or numba
         "ranks": base.ranks,
         "steps_per_run": base.steps,
         "decode_tokens_per_rank": base.decode_tokens,
@@ -369,6 +372,8 @@ def format_table(report: dict) -> str:
     speedup = report["ratios"].get("graph_speedup_over_eager_decode")
     if speedup is not None:
         lines.append(f"{'graph speedup over eager at decode (p50)':<42}{speedup:>24.3f}")
+    if report.get("cpp_wrapper"):
+        lines.append("compiled with Inductor's C++ wrapper (--cpp-wrapper)")
     return "\n".join(lines)
 
 

@@ -39,6 +39,7 @@ from eplb_graph.bench import (
     rotating_steps,
     unique_graphs,
 )
+from eplb_graph.custom_ops import CPU_LAYER_KERNEL
 from eplb_graph.layer_lookup import BatchFlags
 from eplb_graph.runner import RunConfig, build_rank_models, check_output, rank_device
 
@@ -171,6 +172,8 @@ def run_data_plane_bench(base: RunConfig, modes: tuple[str, ...], *,
         "device": base.device,
         "data_plane_only": True,  # no upstream EPLB step, no rearrangement
         "expert_kernel": base.expert_kernel,
+        "cpp_wrapper": base.cpp_wrapper,  # compiled mode: Inductor's wrapper in C++
+        "cpu_layer_kernel": CPU_LAYER_KERNEL,  # what serves the routing op on the host: native (C++) or numba
         "ranks": 1,
         "steps_per_run": base.steps,
         "decode_tokens_per_rank": base.decode_tokens,

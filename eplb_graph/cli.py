@@ -75,7 +75,7 @@ def _run_config(args: argparse.Namespace, **overrides):
         seed=args.seed, step_interval=args.interval, window_size=args.interval, hidden=args.hidden,
         expert_intermediate=args.intermediate, shared_expert_intermediate=args.intermediate,
         decode_tokens=args.decode_tokens, prefill_tokens=args.prefill_tokens, capture_sizes=args.capture_sizes,
-        policy_process=args.policy_process, expert_kernel=args.expert_kernel,
+        policy_process=args.policy_process, expert_kernel=args.expert_kernel, cpp_wrapper=args.cpp_wrapper,
     )
     fields.update(overrides)
     config = RunConfig(**fields)
@@ -83,6 +83,11 @@ def _run_config(args: argparse.Namespace, **overrides):
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
     return config
+
+
+def _check_cpp_wrapper_modes(config, modes: tuple[str, ...]) -> None:
+    if config.cpp_wrapper and set(modes) == {"eager"}:
+        raise ValueError("--cpp-wrapper applies to what Inductor compiles; --mode eager compiles nothing")
 
 
 def _or_na(value, missing: str = "n/a") -> str:
@@ -98,6 +103,7 @@ def _run(args: argparse.Namespace) -> int:
     from eplb_graph.runner import run_rank, run_rank_and_shut_down
 
     config = _run_config(args, progress=not args.json, tolerance=args.tolerance)
+    _check_cpp_wrapper_modes(config, (config.mode,))
     out = _output_dir(args.out)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         import torch.distributed as dist
@@ -150,6 +156,7 @@ def _bench(args: argparse.Namespace) -> int:
     modes = bench_modes(args.mode, args.device)
     default_ranks = 1 if args.data_plane else 2
     config = _run_config(args, mode=modes[0], ranks=default_ranks if args.ranks is None else args.ranks)
+    _check_cpp_wrapper_modes(config, modes)
     if args.data_plane:
         check_data_plane_config(config)  # before --out is made
         out = _output_dir(args.out)
@@ -212,6 +219,10 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode:
                         help="seconds a rank may go without finishing a step (its compile included) before it is "
                              "declared stuck, and may take to start (spawn, imports); a run may take any time as long "
                              "as its ranks keep stepping")
+    parser.add_argument("--cpp-wrapper", action="store_true",
+                        help="compiled mode on the host: Inductor generates the forward's wrapper in C++, so no Python "
+                             "runs between its kernels or around the routing op (longer compile; --ranks 1 with "
+                             "torch 2.13, whose collectives it cannot call)")
     parser.add_argument("--policy-process", action="store_true",
                         help="run upstream's rebalancing policy in a helper process per rank, off the serving GIL")
     parser.add_argument("--out", default="out")

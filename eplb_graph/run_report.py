@@ -83,6 +83,7 @@ def summarize(cfg, results: list[dict]) -> dict:
         "steps": cfg.steps,
         "weight_format": cfg.weight_format,
         "expert_kernel": cfg.expert_kernel,
+        "cpp_wrapper": cfg.cpp_wrapper,
         "eplb": cfg.eplb,
         "num_layers": cfg.num_layers,
         "num_logical_experts": cfg.num_experts,

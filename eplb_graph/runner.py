@@ -64,6 +64,7 @@ class RunConfig:
     check_outputs: bool = True
     tolerance: float | None = None  # rtol = atol of the output check (0: exact); None: see output_tolerance
     backend: str = "inductor"
+    cpp_wrapper: bool = False  # compiled / graph mode on CPU: Inductor's wrapper in C++ (see inductor_with_cpp_wrapper)
     progress: bool = False  # rank 0 shows a progress bar and one line per window
     collect_load_stats: bool = True  # all-reduce the load each step for balancedness (off in bench)
     policy_process: bool = False  # upstream's policy in a helper process per rank (off the GIL)
@@ -137,6 +138,8 @@ class RunConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         fmt.check_dims(self.hidden, self.expert_intermediate)
         self.model_config()  # e.g. a width the attention heads do not divide
+        if self.cpp_wrapper:
+            check_cpp_wrapper(self.device, self.backend, self.ranks)
 
 
 @dataclass
@@ -244,6 +247,36 @@ def _global_loads(rank_layers, ep_size: int, group) -> tuple[torch.Tensor, torch
     return load.view(load.shape[0], ep_size, -1).sum(-1), logical
 
 
+def collectives_refuse_cpp_wrapper() -> bool:
+    """Whether torch's functional collectives take an ``Any`` group argument, which Inductor's
+    C++ wrapper cannot pass (torch 2.13: "arg type Any is not yet supported by custom_op_wrapper"
+    when a graph with an all-gather compiles)."""
+    schema = torch.ops._c10d_functional.all_gather_into_tensor.default._schema
+    return any(isinstance(argument.type, torch._C.AnyType) for argument in schema.arguments)
+
+
+def check_cpp_wrapper(device: str, backend: str, ranks: int) -> None:
+    """Where Inductor's C++ wrapper can serve a run: ValueError naming why not, before any process starts."""
+    if device != "cpu":
+        raise ValueError(f"cpp_wrapper is a host option (device cpu), not for device {device!r}: there graph mode "
+                         "replays captured graphs, with no wrapper code in the step")
+    if backend != "inductor":
+        raise ValueError(f"cpp_wrapper is an Inductor option; the backend is {backend!r}")
+    if ranks > 1 and collectives_refuse_cpp_wrapper():
+        raise ValueError(f"cpp_wrapper needs ranks 1 with torch {torch.__version__}: its functional collectives (the "
+                         "ranks' token all-gather) take an `Any` group argument that Inductor's C++ wrapper cannot pass")
+
+
+def inductor_with_cpp_wrapper(graph_module, example_inputs):
+    """Inductor with its wrapper generated in C++ rather than Python: the compiled forward calls
+    its kernels, and the routing op through the dispatcher, with no Python between them. On the
+    host that Python is a measured share of a small decode step, and the routing op's call
+    through it is most of the EPLB-on cost (README, the data-plane bench)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(graph_module, example_inputs, config_patches={"cpp_wrapper": True})
+
+
 def prepare_forward(model, cfg: RunConfig, rank_layers, records: list):
     """The callable for the mode: the model itself (eager) or torch.compile with the EPLB pass."""
     from eplb_graph.enable import make_eplb_backend
@@ -257,7 +290,8 @@ def prepare_forward(model, cfg: RunConfig, rank_layers, records: list):
             block.mlp.route_in_module = False  # the pass inserts the routing op instead
             bindings.append(RouterBinding(block.mlp.layer_key, f"layers.{index}.mlp.gate", cfg.num_experts, cfg.top_k))
     live = {layer.key: layer for layer in rank_layers}
-    backend = make_eplb_backend(bindings, cfg.backend, records, live.__getitem__)
+    inner = inductor_with_cpp_wrapper if cfg.cpp_wrapper else cfg.backend
+    backend = make_eplb_backend(bindings, inner, records, live.__getitem__)
     return torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
 
 

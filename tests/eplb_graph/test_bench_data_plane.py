@@ -10,6 +10,7 @@ from eplb_graph import bench_data_plane
 from eplb_graph.bench import format_table
 from eplb_graph.bench_data_plane import failed_checks, run_data_plane_bench
 from eplb_graph.cli import main
+from eplb_graph.custom_ops import CPU_LAYER_KERNEL
 from eplb_graph.runner import RunConfig
 from tests.markers import requires_cuda
 
@@ -19,6 +20,7 @@ QUICK = dict(ranks=1, steps=20, backend="aot_eager")  # Inductor is not the subj
 def test_data_plane_bench_times_a_routing_op_that_routes_and_records():
     report = run_data_plane_bench(RunConfig(**QUICK), ("eager", "compiled"))
     assert report["failed_checks"] == [] and report["data_plane_only"] is True and report["ranks"] == 1
+    assert report["cpp_wrapper"] is False and report["cpu_layer_kernel"] == CPU_LAYER_KERNEL  # what was timed
     assert {(r["mode"], r["eplb"]) for r in report["results"]} == {
         (mode, setting) for mode in ("eager", "compiled") for setting in ("off", "on_idle")}
     for result in report["results"]:

@@ -139,6 +139,7 @@ def test_run_with_the_policy_in_helper_processes(capsys, tmp_path):
         (["--prefill-tokens", "100"], "prefill_tokens=100 exceeds the largest capture size 64"),
         (["--format", "w4a8", "--intermediate", "33"], "w4a8 packs two int4 per byte along the input dim; got odd "
                                                        "intermediate size 33"),
+        (["--cpp-wrapper", "--ranks", "1", "--mode", "eager"], "--cpp-wrapper applies to what Inductor compiles"),
     ],
 )
 def test_bad_input_fails_before_any_process_starts(args, message, capsys, tmp_path):
@@ -376,11 +377,48 @@ def test_bench_runs_the_mode_asked_for(monkeypatch, capsys, tmp_path):
         (["--mode", "graph"], "on the host the compiled mode is the graph mode"),
         (["--mode", "warp"], "unknown mode 'warp'"),
         (["--steps", "5"], "bench needs --steps >= 20"),
+        (["--cpp-wrapper", "--mode", "eager", "--data-plane"], "--cpp-wrapper applies to what Inductor compiles"),
     ],
 )
 def test_bench_refuses_bad_arguments_before_launching(args, message, capsys, tmp_path):
     assert main(["bench", "--out", str(tmp_path), *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cpp_wrapper_is_refused_where_it_cannot_serve():
+    from eplb_graph.runner import check_cpp_wrapper, collectives_refuse_cpp_wrapper
+
+    with pytest.raises(ValueError, match="cpp_wrapper is a host option"):
+        check_cpp_wrapper("cuda", "inductor", 1)
+    with pytest.raises(ValueError, match="cpp_wrapper is an Inductor option; the backend is 'aot_eager'"):
+        check_cpp_wrapper("cpu", "aot_eager", 1)
+    check_cpp_wrapper("cpu", "inductor", 1)
+    if collectives_refuse_cpp_wrapper():  # torch 2.13: the collectives' group argument is typed Any
+        with pytest.raises(ValueError, match="cpp_wrapper needs ranks 1 with torch"):
+            RunConfig(cpp_wrapper=True, ranks=2).validate()
+
+
+def test_cpp_wrapper_compiles_a_forward_that_calls_the_routing_op_from_cpp():
+    from torch._inductor.utils import run_and_get_code
+
+    from eplb_graph.bench import decode_batches
+    from eplb_graph.runner import build_rank_models, prepare_forward
+
+    cfg = RunConfig(ranks=1, cpp_wrapper=True)
+    cfg.validate()
+    with torch.no_grad():
+        model, reference, rank_layers, flags = build_rank_models(cfg, 0, 1, None)
+        forward = prepare_forward(model, cfg, rank_layers, [])
+        batch = decode_batches(cfg, 0, torch.device("cpu"))[0]
+        flags.set_(record=True, num_unpadded_tokens=batch.num_tokens)
+        out, codes = run_and_get_code(forward, batch.tokens)
+        expected = reference(batch.tokens)
+    code = "\n".join(codes)
+    # the forward is C++: the routing op is reached through the dispatcher, not torch.ops in Python
+    assert '"eplb_graph::map_and_record_layer"' in code
+    assert "torch.ops.eplb_graph.map_and_record_layer.default(" not in code
+    assert check_output(out, expected, cfg.output_tolerance).ok
+    assert [int(layer.tables.load.sum()) for layer in rank_layers] == [batch.num_tokens * cfg.top_k] * cfg.num_layers
 
 
 def test_paired_ratio_interval_brackets_the_true_ratio():
