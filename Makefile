@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_policy_stall.py --out $(OUT)/bench_policy_stall.json
 	$(VENV)/bin/eplb-graph bench --out $(OUT)/bench
 	$(VENV)/bin/eplb-graph bench --data-plane --steps 1000 --out $(OUT)/bench_data_plane
+	$(VENV)/bin/eplb-graph bench --data-plane --mode compiled --steps 1000 --cpp-wrapper --out $(OUT)/bench_data_plane_cpp_wrapper
 	$(VENV)/bin/python benchmarks/bench_injected_work.py --out $(OUT)/bench_injected_work.json
 
 clean:
