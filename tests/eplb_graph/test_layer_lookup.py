@@ -131,9 +131,9 @@ def test_constructor_rejects_impossible_sizes():
 
 def test_flags_are_written_into_their_own_storage_shared_ones_included():
     own = BatchFlags()
-    tensors = own.record_enabled, own.num_unpadded_tokens
+    record_tensor, tokens_tensor = own.record_enabled, own.num_unpadded_tokens
     own.set_(record=False, num_unpadded_tokens=7)
-    assert (own.record_enabled, own.num_unpadded_tokens) == tensors  # the very tensors a graph holds
+    assert own.record_enabled is record_tensor and own.num_unpadded_tokens is tokens_tensor  # what a graph holds
     assert own.record_enabled.item() is False and own.num_unpadded_tokens.item() == 7
 
     upstream_record, upstream_tokens = torch.ones(1, dtype=torch.bool), torch.zeros(3, dtype=torch.int32)[1:2]
