@@ -286,6 +286,7 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
             f"({time.monotonic() - start:.0f} s so far)")
         busy_cfg = dataclasses.replace(base, eplb=True, **common)
         busy = run_ranks(run_rank_and_shut_down, base.ranks, busy_cfg, timeout_s=timeout_s)
+        intra_op_threads = [r["intra_op_threads"] for r in busy]  # every run's ranks follow the same rule
         log(f"bench {mode}: done in {time.monotonic() - start:.0f} s")
         off_steps = [ms for r in paired for ms in r["times"]["off"]]
         idle_steps = [ms for r in paired for ms in r["times"]["on_idle"]]
@@ -330,6 +331,7 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
         "expert_kernel": base.expert_kernel,
         "cpp_wrapper": base.cpp_wrapper,  # compiled mode: Inductor's wrapper in C++
         "cpu_layer_kernel": CPU_LAYER_KERNEL,  # what serves the routing op on the host: native (C++) or numba
+        "intra_op_threads": intra_op_threads,  # torch's, per rank (the same in every run of this bench)
         "ranks": base.ranks,
         "steps_per_run": base.steps,
         "decode_tokens_per_rank": base.decode_tokens,
@@ -374,6 +376,8 @@ def format_table(report: dict) -> str:
         lines.append(f"{'graph speedup over eager at decode (p50)':<42}{speedup:>24.3f}")
     if report.get("cpp_wrapper"):
         lines.append("compiled with Inductor's C++ wrapper (--cpp-wrapper)")
+    if report.get("intra_op_threads"):
+        lines.append(f"torch intra-op threads per rank: {', '.join(map(str, report['intra_op_threads']))}")
     return "\n".join(lines)
 
 

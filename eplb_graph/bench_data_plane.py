@@ -41,7 +41,14 @@ from eplb_graph.bench import (
 )
 from eplb_graph.custom_ops import CPU_LAYER_KERNEL
 from eplb_graph.layer_lookup import BatchFlags
-from eplb_graph.runner import RunConfig, build_rank_models, check_output, rank_device
+from eplb_graph.runner import (
+    RunConfig,
+    build_rank_models,
+    check_output,
+    intra_op_threads,
+    rank_device,
+    rank_threads,
+)
 
 
 class FlagsOnly:
@@ -153,18 +160,20 @@ def run_data_plane_bench(base: RunConfig, modes: tuple[str, ...], *,
     log = log or (lambda line: None)
     check_data_plane_config(base)
     results, ratios, checks = [], {}, {}
-    for mode in modes:
-        start = time.monotonic()
-        log(f"bench {mode} (data plane): off, on_idle and the A/A twin, {base.steps} steps each, rotating ...")
-        measured = data_plane_steps(dataclasses.replace(base, mode=mode, check_outputs=False, progress=False,
-                                                        collect_load_stats=False))
-        log(f"bench {mode} (data plane): done in {time.monotonic() - start:.0f} s")
-        times = measured["times"]
-        for setting in ("off", "on_idle"):
-            results.append(result_entry(mode, setting, times[setting], base, compile_s=measured["compile_s"][setting],
-                                        recompiles=measured["recompiles"], recaptures=measured["recaptures"][setting]))
-        ratios[mode] = idle_ratios(times["on_idle"], times["off"], times["off_twin"], times["on_idle_eplb_host"])
-        checks[mode] = measured["checks"]
+    with intra_op_threads(rank_threads(base, 1)):  # this process is the one rank
+        threads = torch.get_num_threads()
+        for mode in modes:
+            start = time.monotonic()
+            log(f"bench {mode} (data plane): off, on_idle and the A/A twin, {base.steps} steps each, rotating ...")
+            measured = data_plane_steps(dataclasses.replace(base, mode=mode, check_outputs=False, progress=False,
+                                                            collect_load_stats=False))
+            log(f"bench {mode} (data plane): done in {time.monotonic() - start:.0f} s")
+            times = measured["times"]
+            for setting in ("off", "on_idle"):
+                results.append(result_entry(mode, setting, times[setting], base, compile_s=measured["compile_s"][setting],
+                                            recompiles=measured["recompiles"], recaptures=measured["recaptures"][setting]))
+            ratios[mode] = idle_ratios(times["on_idle"], times["off"], times["off_twin"], times["on_idle_eplb_host"])
+            checks[mode] = measured["checks"]
     speedup = graph_speedup(results, base.device)
     if speedup is not None:
         ratios["graph_speedup_over_eager_decode"] = speedup
@@ -174,6 +183,7 @@ def run_data_plane_bench(base: RunConfig, modes: tuple[str, ...], *,
         "expert_kernel": base.expert_kernel,
         "cpp_wrapper": base.cpp_wrapper,  # compiled mode: Inductor's wrapper in C++
         "cpu_layer_kernel": CPU_LAYER_KERNEL,  # what serves the routing op on the host: native (C++) or numba
+        "intra_op_threads": [threads],  # torch's, in this process
         "ranks": 1,
         "steps_per_run": base.steps,
         "decode_tokens_per_rank": base.decode_tokens,

@@ -76,6 +76,7 @@ def _run_config(args: argparse.Namespace, **overrides):
         expert_intermediate=args.intermediate, shared_expert_intermediate=args.intermediate,
         decode_tokens=args.decode_tokens, prefill_tokens=args.prefill_tokens, capture_sizes=args.capture_sizes,
         policy_process=args.policy_process, expert_kernel=args.expert_kernel, cpp_wrapper=args.cpp_wrapper,
+        threads=args.threads,
     )
     fields.update(overrides)
     config = RunConfig(**fields)
@@ -223,6 +224,9 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode:
                         help="compiled mode on the host: Inductor generates the forward's wrapper in C++, so no Python "
                              "runs between its kernels or around the routing op (longer compile; --ranks 1 with "
                              "torch 2.13, whose collectives it cannot call)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch intra-op threads per rank (default: on the host, the machine's cores shared among "
+                             "its ranks; on a GPU, 1, as vLLM's GPU worker serves); the reports record the count used")
     parser.add_argument("--policy-process", action="store_true",
                         help="run upstream's rebalancing policy in a helper process per rank, off the serving GIL")
     parser.add_argument("--out", default="out")

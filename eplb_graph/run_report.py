@@ -84,6 +84,7 @@ def summarize(cfg, results: list[dict]) -> dict:
         "weight_format": cfg.weight_format,
         "expert_kernel": cfg.expert_kernel,
         "cpp_wrapper": cfg.cpp_wrapper,
+        "intra_op_threads": [r["intra_op_threads"] for r in results],  # torch's, per rank
         "eplb": cfg.eplb,
         "num_layers": cfg.num_layers,
         "num_logical_experts": cfg.num_experts,

@@ -68,6 +68,7 @@ class RunConfig:
     progress: bool = False  # rank 0 shows a progress bar and one line per window
     collect_load_stats: bool = True  # all-reduce the load each step for balancedness (off in bench)
     policy_process: bool = False  # upstream's policy in a helper process per rank (off the GIL)
+    threads: int | None = None  # torch intra-op threads per rank; None: see rank_threads
 
     @property
     def output_tolerance(self) -> float:
@@ -140,6 +141,8 @@ class RunConfig:
         self.model_config()  # e.g. a width the attention heads do not divide
         if self.cpp_wrapper:
             check_cpp_wrapper(self.device, self.backend, self.ranks)
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 per rank, got {self.threads}")
 
 
 @dataclass
@@ -163,6 +166,7 @@ class RankResult:
     recompiles: int = 0
     recaptures: int | None = None  # None: this mode captures no graphs (every mode on CPU)
     compile_or_capture_s: float = 0.0
+    intra_op_threads: int = 0  # torch's, in this rank's process
     verifier_ok: bool = True
     routers_mapped: int = 0
     tokens: int = 0
@@ -363,6 +367,31 @@ def timed_step(forward, batch: Batch, device: torch.device, controller=None, bet
     return TimedStep(out, forward_end - start + end - end_start, forward_start - start + end - end_start)
 
 
+def rank_threads(cfg: RunConfig, local_world: int) -> int:
+    """torch intra-op threads for one rank's process: ``cfg.threads`` if given. Otherwise, on
+    the host, where the forward computes, this machine's cores (torch's default count, which
+    OMP_NUM_THREADS sets) shared among its ranks; on a device, one, as vLLM's GPU worker serves
+    (``set_torch_threads_for_runtime``): the device computes, and idle OpenMP workers spin after
+    each host op, taking cycles from the step's Python and from EPLB's worker thread."""
+    if cfg.threads is not None:
+        return cfg.threads
+    if cfg.device != "cpu":
+        return 1
+    return max(1, torch.get_num_threads() // local_world)
+
+
+@contextlib.contextmanager
+def intra_op_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count for a block, restored after it: for a process that is the
+    one rank only for a while (the data-plane bench runs in the CLI's process)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @contextlib.contextmanager
 def rank_session(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> Iterator[tuple]:
     """This process as one EP rank: vLLM's groups with the run's EPLB window and interval, the
@@ -375,7 +404,7 @@ def rank_session(rank: int, world_size: int, init_method: str, cfg: RunConfig) -
     # torchrun sets LOCAL_RANK / LOCAL_WORLD_SIZE; our own launcher runs every rank on this machine
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    torch.set_num_threads(max(1, torch.get_num_threads() // local_world))  # this machine's ranks share its cores
+    torch.set_num_threads(rank_threads(cfg, local_world))
     if cfg.device == "cuda":
         torch.cuda.set_device(local_rank)
     config = init_expert_parallel(
@@ -395,6 +424,7 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig, heart
 
     result = RankResult(rank)
     with rank_session(rank, world_size, init_method, cfg) as (group, cpu_group):
+        result.intra_op_threads = torch.get_num_threads()
         model, reference, rank_layers, flags = build_rank_models(cfg, rank, world_size, group)
         device = rank_device(cfg)
         controller = None

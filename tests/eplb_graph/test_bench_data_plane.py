@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from eplb_graph import bench_data_plane
 from eplb_graph.bench import format_table
@@ -18,7 +19,10 @@ QUICK = dict(ranks=1, steps=20, backend="aot_eager")  # Inductor is not the subj
 
 
 def test_data_plane_bench_times_a_routing_op_that_routes_and_records():
-    report = run_data_plane_bench(RunConfig(**QUICK), ("eager", "compiled"))
+    threads_before = torch.get_num_threads()
+    threads = threads_before + 1  # not this process's count: the bench must set it, then give it back
+    report = run_data_plane_bench(RunConfig(**QUICK, threads=threads), ("eager", "compiled"))
+    assert report["intra_op_threads"] == [threads] and torch.get_num_threads() == threads_before
     assert report["failed_checks"] == [] and report["data_plane_only"] is True and report["ranks"] == 1
     assert report["cpp_wrapper"] is False and report["cpu_layer_kernel"] == CPU_LAYER_KERNEL  # what was timed
     assert {(r["mode"], r["eplb"]) for r in report["results"]} == {
@@ -40,6 +44,7 @@ def test_data_plane_bench_times_a_routing_op_that_routes_and_records():
     assert report["ratios"]["graph_speedup_over_eager_decode"] > 0
     table = format_table(report)
     assert "on_idle / off (p50)" in table and "rearranging" not in table  # no row for what was not measured
+    assert f"torch intra-op threads per rank: {threads}" in table
 
 
 def test_a_routing_op_that_records_nothing_fails_the_bench(monkeypatch):

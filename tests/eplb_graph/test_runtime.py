@@ -1,6 +1,7 @@
 """The main job (`eplb-graph run`) and the capture-vs-eager benchmark (`eplb-graph bench`)."""
 
 import json
+import os
 import time
 
 import pytest
@@ -31,6 +32,7 @@ def test_run_rebalances_live_with_outputs_checked_every_step(mode, capsys, tmp_p
                 "output_mismatches", "recompiles", "recaptures", "steps", "mode", "ranks"):
         assert key in report
     assert report["mode"] == mode and report["ranks"] == 2 and report["steps"] == 70
+    assert len(report["intra_op_threads"]) == 2 and min(report["intra_op_threads"]) >= 1
     assert report["output_mismatches"] == 0 and report["max_abs_diff"] <= report["tolerance"]
     if mode == "eager":  # the reference's own kernels in the same order: nothing may differ
         assert report["tolerance"] == 0 and report["output_check"] == "exact" and report["max_abs_diff"] == 0
@@ -140,6 +142,7 @@ def test_run_with_the_policy_in_helper_processes(capsys, tmp_path):
         (["--format", "w4a8", "--intermediate", "33"], "w4a8 packs two int4 per byte along the input dim; got odd "
                                                        "intermediate size 33"),
         (["--cpp-wrapper", "--ranks", "1", "--mode", "eager"], "--cpp-wrapper applies to what Inductor compiles"),
+        (["--threads", "0"], "threads must be >= 1 per rank, got 0"),
     ],
 )
 def test_bad_input_fails_before_any_process_starts(args, message, capsys, tmp_path):
@@ -147,6 +150,26 @@ def test_bad_input_fails_before_any_process_starts(args, message, capsys, tmp_pa
     assert main(["run", "--out", str(tmp_path), *args]) == 2
     assert message in capsys.readouterr().err
     assert time.monotonic() - start < 5  # no process was launched
+
+
+def test_each_rank_runs_the_intra_op_threads_asked_for(capsys, tmp_path):
+    """--threads sets torch's thread count in every rank process, and the report says what ran.
+    More threads than the default (at most this machine's cores), so the default cannot pass."""
+    threads = len(os.sched_getaffinity(0)) + 1
+    code, report = _run(capsys, tmp_path, "--mode", "eager", "--steps", "12", "--interval", "10",
+                        "--threads", str(threads))
+    assert code == 0, report["failed_invariants"]
+    assert report["intra_op_threads"] == [threads, threads]
+
+
+def test_rank_threads_follow_the_device_unless_asked():
+    from eplb_graph.runner import rank_threads
+
+    cores = torch.get_num_threads()
+    assert rank_threads(RunConfig(device="cpu"), 1) == cores  # the host computes: all its cores to one rank
+    assert rank_threads(RunConfig(device="cpu"), cores + 1) == 1  # more ranks than cores: one each
+    assert rank_threads(RunConfig(device="cuda"), 1) == 1  # the device computes: one, as vLLM's GPU worker
+    assert rank_threads(RunConfig(device="cuda", threads=4), 1) == 4
 
 
 def test_capture_sizes_that_are_not_numbers_are_a_usage_error(capsys, tmp_path):
@@ -323,6 +346,7 @@ def test_bench_reports_every_mode_and_setting(capsys, tmp_path):
             assert f"bench {mode}: {stage}" in captured.err
     settings = {(r["mode"], r["eplb"]) for r in report["results"]}
     assert settings == {(m, e) for m in ("eager", "compiled") for e in ("off", "on_idle", "on_rearranging")}
+    assert len(report["intra_op_threads"]) == 2 and min(report["intra_op_threads"]) >= 1  # what the ranks ran
     for result in report["results"]:
         for key in ("p50_ms", "p99_ms", "tokens_per_s", "recompiles", "recaptures"):
             assert key in result
@@ -377,6 +401,7 @@ def test_bench_runs_the_mode_asked_for(monkeypatch, capsys, tmp_path):
         (["--mode", "graph"], "on the host the compiled mode is the graph mode"),
         (["--mode", "warp"], "unknown mode 'warp'"),
         (["--steps", "5"], "bench needs --steps >= 20"),
+        (["--threads", "-2"], "threads must be >= 1 per rank, got -2"),
         (["--cpp-wrapper", "--mode", "eager", "--data-plane"], "--cpp-wrapper applies to what Inductor compiles"),
     ],
 )
