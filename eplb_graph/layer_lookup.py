@@ -67,7 +67,8 @@ def validate_placement(
 
     Raises ValueError naming the first problem found: wrong rank, dtype or length,
     logical ids out of range, a logical expert with no replica, or more replicas
-    than the lookup has slots for.
+    than the lookup has slots for. Runs at every layer commit, between two forwards:
+    a few numpy reductions decide, and the message is worked out only for a bad one.
     """
     if not isinstance(physical_to_logical, torch.Tensor):
         physical_to_logical = torch.as_tensor(physical_to_logical)
@@ -80,20 +81,19 @@ def validate_placement(
             f"placement has {physical_to_logical.numel()} physical slots, expected {num_physical_experts}"
         )
     placement = physical_to_logical.detach().to("cpu", torch.int64)
-    out_of_range = ((placement < 0) | (placement >= num_logical_experts)).nonzero().flatten()
-    if out_of_range.numel():
+    ids = placement.numpy()  # [num_physical], a view
+    if ids.size and (ids.min() < 0 or ids.max() >= num_logical_experts):
+        out_of_range = np.flatnonzero((ids < 0) | (ids >= num_logical_experts))
         slot = int(out_of_range[0])
         raise ValueError(
-            f"placement slot {slot} holds logical id {int(placement[slot])}, outside "
-            f"[0, {num_logical_experts}) ({out_of_range.numel()} bad slot(s))"
+            f"placement slot {slot} holds logical id {int(ids[slot])}, outside "
+            f"[0, {num_logical_experts}) ({out_of_range.size} bad slot(s))"
         )
-    counts = torch.bincount(placement, minlength=num_logical_experts)  # [num_logical]
-    missing = (counts == 0).nonzero().flatten()
-    if missing.numel():
-        raise ValueError(f"logical experts {missing[:8].tolist()} have no replica in the placement")
-    too_many = (counts > max_replicas).nonzero().flatten()
-    if too_many.numel():
-        expert = int(too_many[0])
+    counts = np.bincount(ids, minlength=num_logical_experts)  # [num_logical]
+    if counts.min() == 0:
+        raise ValueError(f"logical experts {np.flatnonzero(counts == 0)[:8].tolist()} have no replica in the placement")
+    if counts.max() > max_replicas:
+        expert = int(np.argmax(counts > max_replicas))
         raise ValueError(
             f"logical expert {expert} has {int(counts[expert])} replicas, more than "
             f"max_replicas={max_replicas}"
@@ -143,31 +143,33 @@ def logical_maps(
     if ids.size and ids.max() >= num_logical_experts:
         raise ValueError(f"placement holds logical id {int(ids.max())}, outside [-1, {num_logical_experts})")
     num_layers, num_physical = ids.shape
-    # Empty slots get the key N, so a stable sort groups each layer's slots by logical id,
-    # ascending slot order within a group, and puts empty slots last (group N, written like
-    # the others -- every index stays in range, no mask -- and dropped at the end).
-    keys = np.where(ids >= 0, ids, num_logical_experts).astype(np.int64)  # [L, P]
-    slots = np.argsort(keys, axis=1, kind="stable")  # [L, P]
-    sorted_keys = np.sort(keys, axis=1)  # [L, P], the keys in that order
+    # Each slot gets a group: its logical id, or N for an empty slot (written like the others --
+    # every index stays in range, no mask -- and dropped at the end). Layer l's groups are
+    # offset by l * (N + 1), so one stable sort of the flat groups orders every layer's slots
+    # by logical id, ascending slot order within an id.
     group_width = num_logical_experts + 1
-    layer_of = np.arange(num_layers)[:, None]  # [L, 1]
-    counts = np.bincount((keys + layer_of * group_width).ravel(), minlength=num_layers * group_width)
+    groups = np.where(ids >= 0, ids, num_logical_experts)  # [L, P]
+    if num_layers > 1:
+        groups = groups + np.arange(0, num_layers * group_width, group_width)[:, None]
+    groups = groups.ravel()  # [L * P]
+    slots = np.argsort(groups, kind="stable")  # [L * P] flat slot indices, grouped
+    sorted_groups = groups[slots]  # [L * P]
+    counts = np.bincount(sorted_groups, minlength=num_layers * group_width)  # [L * (N + 1)]
+    rank_in_group = np.arange(slots.size) - (np.cumsum(counts) - counts)[sorted_groups]  # [L * P]
     counts = counts.reshape(num_layers, group_width)  # [L, N + 1]
-    group_start = np.cumsum(counts, axis=1) - counts  # [L, N + 1]
-    rank_in_group = np.arange(num_physical) - group_start[layer_of, sorted_keys]  # [L, P]
     replica_count = counts[:, :num_logical_experts]  # [L, N]
     max_replicas = int(replica_count.max()) if replica_count.size else 0
     if width is None:
         width = max_replicas
     elif max_replicas > width:
         raise ValueError(f"a logical expert has {max_replicas} replicas, more than width={width}")
-    grouped = np.full((num_layers, group_width, max(width, int(counts.max()))), -1, dtype=ids.dtype)
-    grouped[layer_of, sorted_keys, rank_in_group] = slots
-    logical_to_physical = torch.from_numpy(np.ascontiguousarray(grouped[:, :num_logical_experts, :width]))
-    replica_count = torch.from_numpy(replica_count.astype(ids.dtype))  # [L, N], the input's dtype
-    if per_layer:
-        return logical_to_physical.squeeze(0), replica_count.squeeze(0)
-    return logical_to_physical, replica_count
+    grouped = np.full((num_layers * group_width, max(width, int(counts.max()))), -1, dtype=ids.dtype)
+    grouped[sorted_groups, rank_in_group] = slots % num_physical  # flat slot -> slot within its layer
+    grouped = grouped.reshape(num_layers, group_width, -1)[:, :num_logical_experts, :width]  # [L, N, width]
+    replica_count = replica_count.astype(ids.dtype)  # [L, N], the input's dtype
+    if per_layer:  # the layer dim dropped in numpy: a torch squeeze is a dispatcher call (~4 us here)
+        grouped, replica_count = grouped[0], replica_count[0]
+    return torch.from_numpy(np.ascontiguousarray(grouped)), torch.from_numpy(replica_count)
 
 
 def build_lookup(
@@ -281,7 +283,8 @@ class LayerLookup:
         placement = validate_placement(
             physical_to_logical, self.num_logical_experts, self.num_physical_experts, self.max_replicas
         )
-        lookup, replica_count = build_lookup(placement, self.num_logical_experts, self.max_replicas)
+        # int64 as validated; the copies below cast to the tables' int32
+        lookup, replica_count = logical_maps(placement, self.num_logical_experts, width=self.max_replicas)
         self.lookup.copy_(lookup)
         self.replica_count.copy_(replica_count)
         self.physical_to_logical.copy_(placement)
