@@ -11,9 +11,12 @@ experts, 7.9 ms at 256 + 32 -- a stall between two graph replays at every layer 
 Each gap is one named patch of the name *where upstream imports it*, never a rewrite of
 upstream logic; each target is asserted to exist first, so an upstream refactor fails
 loudly instead of silently bypassing the adapter. The patches are idempotent and
-reversible (``uninstall``). One patch swaps an upstream function for a faster one with the
-same contract: ``compute_logical_maps`` for ``layer_lookup.logical_maps`` (vectorized; equal
-outputs are tested against upstream's on every input class). Two hooks are ours rather than gaps:
+reversible (``uninstall``). Two patches swap an upstream function for a faster one with the
+same contract (vectorized; equal outputs are tested against upstream's on every input
+class): ``compute_logical_maps`` for ``layer_lookup.logical_maps`` on the main thread, and
+the worker's per-layer transfer planning, ``get_ep_ranks_with_experts_batch``, for
+``transfer_peers.ranks_with_experts`` (the worker shares the main thread's GIL). Two hooks
+are ours rather than gaps:
 
 * ``commit_hook``: called after upstream commits a layer's placement and *before* it
   acknowledges the staging buffer to the worker (invariants 3 and 6), and after a
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eplb_graph.layer_lookup import logical_maps
+from eplb_graph.transfer_peers import ranks_with_experts
 
 
 class HostEvent:
@@ -204,6 +208,8 @@ class UpstreamCapabilityAdapter:
             self._patch(async_worker, "run_rebalance_experts", self._checked_policy(async_worker.run_rebalance_experts))
         # The placement inversion every commit runs on the main thread: same outputs, no Python loop.
         self._patch(eplb_state, "compute_logical_maps", logical_maps)
+        # The worker's transfer planning, twice per layer: same outputs, no per-expert loop.
+        self._patch(rebalance_execute, "get_ep_ranks_with_experts_batch", ranks_with_experts)
         # Read (not patched) by the controller to decide a batch's record flag on the host.
         if not hasattr(eplb_state.EplbState, "_should_record_current_step"):
             raise RuntimeError("upstream vLLM no longer defines EplbState._should_record_current_step; "

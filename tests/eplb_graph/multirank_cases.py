@@ -242,7 +242,7 @@ def close_mid_rearrangement(rank, world_size, init_method):
 
 def failed_controller_leaves_upstream_unpatched(rank, world_size, init_method):
     """The policy helper fails to start: the controller raises and takes its patches back."""
-    from vllm.distributed.eplb import async_worker, eplb_state
+    from vllm.distributed.eplb import async_worker, eplb_state, rebalance_execute
 
     from eplb_graph import policy_process
     from eplb_graph.ep_runtime import build_rank_stack
@@ -250,7 +250,9 @@ def failed_controller_leaves_upstream_unpatched(rank, world_size, init_method):
     def refuse(*args, **kwargs):
         raise policy_process.PolicyProcessError("helper refused to start")
 
-    originals = {name: getattr(eplb_state, name) for name in ("compute_logical_maps", "CpuGpuEvent", "start_async_worker")}
+    originals = {(module, name): getattr(module, name) for module, name in (
+        (eplb_state, "compute_logical_maps"), (eplb_state, "CpuGpuEvent"), (eplb_state, "start_async_worker"),
+        (rebalance_execute, "get_ep_ranks_with_experts_batch"))}
     spec, context = _setup(rank, world_size, init_method)
     with context:
         policy_process.PolicyProcess = refuse
@@ -262,6 +264,6 @@ def failed_controller_leaves_upstream_unpatched(rank, world_size, init_method):
             message = None
     return {
         "message": message,
-        "restored": all(getattr(eplb_state, name) is original for name, original in originals.items()),
+        "restored": all(getattr(module, name) is original for (module, name), original in originals.items()),
         "worker_event_restored": async_worker.CpuGpuEvent.__module__.startswith("vllm."),
     }

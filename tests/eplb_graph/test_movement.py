@@ -31,6 +31,8 @@ def test_async_rearrangement_commits_layers_between_forwards(weight_format, rank
         assert result["bytes_received"] > 0  # experts really crossed ranks
         assert result["rejected"] == []
         assert "eplb_state.compute_logical_maps" in result["patches"]  # commits ran logical_maps
+        # and the worker planned each layer's transfer with ranks_with_experts
+        assert "rebalance_execute.get_ep_ranks_with_experts_batch" in result["patches"]
         # phase "decode": a prefill batch never records, whatever its rank's neighbours do
         assert all(not record for is_prefill, record in result["recorded"] if is_prefill)
         assert any(record for is_prefill, record in result["recorded"] if not is_prefill)
