@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_op_in_step.py --out $(OUT)/bench_op_in_step.json
 	$(VENV)/bin/python benchmarks/bench_movement.py --out $(OUT)/bench_movement.json
 	$(VENV)/bin/python benchmarks/bench_commit.py --out $(OUT)/bench_commit.json
+	$(VENV)/bin/python benchmarks/bench_transfer_planning.py --out $(OUT)/bench_transfer_planning.json
 	$(VENV)/bin/python benchmarks/bench_policy_stall.py --out $(OUT)/bench_policy_stall.json
 	$(VENV)/bin/eplb-graph bench --out $(OUT)/bench
 	$(VENV)/bin/eplb-graph bench --data-plane --steps 1000 --out $(OUT)/bench_data_plane
