@@ -9,7 +9,9 @@ that stall for the policy). Timed here, interleaved round after round on the sam
 
   * ``upstream``: ``move_to_buffer`` as shipped;
   * ``adapter``: ``move_to_buffer`` under ``UpstreamCapabilityAdapter``, which puts
-    ``transfer_peers.ranks_with_experts`` in place of the per-expert loop;
+    ``transfer_peers.ranks_with_experts`` in place of the per-expert loop (its other patch on
+    this path, the host-aware ``device_stream``, is the same no-op as upstream's for the
+    ``stream=None`` timed here, so the difference is the planning);
 
 for rank 0 of an EP group of ``ranks`` ranks, with a communicator that records the sends and
 receives it is given instead of moving bytes, so only the planning is timed. Both must post
