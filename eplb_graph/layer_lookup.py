@@ -283,8 +283,7 @@ class LayerLookup:
         placement = validate_placement(
             physical_to_logical, self.num_logical_experts, self.num_physical_experts, self.max_replicas
         )
-        # int64 as validated; the copies below cast to the tables' int32
-        lookup, replica_count = logical_maps(placement, self.num_logical_experts, width=self.max_replicas)
+        lookup, replica_count = build_lookup(placement, self.num_logical_experts, self.max_replicas)
         self.lookup.copy_(lookup)
         self.replica_count.copy_(replica_count)
         self.physical_to_logical.copy_(placement)
