@@ -45,3 +45,25 @@ def beats_of(rank, world_size, init_method, fn, *args):
     heartbeat = CountingHeartbeat()
     fn(rank, world_size, init_method, *args, heartbeat=heartbeat)
     return heartbeat.beats
+
+
+def exit_writes_after(rank, world_size, init_method, directory, delay_s):
+    """Reports at once; at exit (an atexit handler, as torch's and multiprocessing's are) waits
+    `delay_s`, then writes `rank<N>`: the file exists only if the process finished its own exit."""
+    import atexit
+    from pathlib import Path
+
+    def write() -> None:
+        time.sleep(delay_s)
+        (Path(directory) / f"rank{rank}").write_text("exited")
+
+    atexit.register(write)
+    return rank
+
+
+def exit_hangs(rank, world_size, init_method):
+    """Reports, but never exits: a non-daemon thread that sleeps for an hour keeps it alive."""
+    import threading
+
+    threading.Thread(target=time.sleep, args=(3600,)).start()
+    return rank
