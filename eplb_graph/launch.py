@@ -72,14 +72,14 @@ def _entry(fn: Callable, rank: int, world_size: int, init_method: str, args: tup
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         kwargs = {"heartbeat": heartbeat} if pass_heartbeat else {}
-        results.put((rank, True, fn(rank, world_size, init_method, *args, **kwargs)))
+        report = (rank, True, fn(rank, world_size, init_method, *args, **kwargs))
     except BaseException as error:  # reported to the launcher, then the process exits nonzero
-        results.put((rank, False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
-        results.close()
-        results.join_thread()  # flush the report before the process goes away
-        raise SystemExit(1) from None
+        report = (rank, False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+    results.put(report)
     results.close()
-    results.join_thread()
+    results.join_thread()  # flush the report before the process goes away
+    if not report[1]:
+        raise SystemExit(1)
     # The exit the launcher waits for: atexit handlers and finalizers run (multiprocessing's
     # unlink and unregister this process's semaphores; a rank killed halfway through leaves
     # the launcher's resource tracker warning of leaked ones). Only the interpreter's last
