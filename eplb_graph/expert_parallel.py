@@ -23,6 +23,10 @@ from torch import nn
 
 from eplb_graph.weight_views import ExpertWeights, check_expert_kernel
 
+# torch 2.13 calls the traceable all-gather all_gather_single; torch 2.11 (the lent GPU image's)
+# has only all_gather_tensor, which 2.13 keeps as a deprecated alias of it.
+traceable_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
 # Building a VllmConfig runs the platform's checks for vLLM's own model runner, whose warnings
 # (no Triton for the V2 runner, the mamba state dtype) do not apply to bare EP groups; every
 # rank printed three of them on each run.
@@ -134,7 +138,7 @@ class ExpertParallelMoE(nn.Module):
         if self.ep_size == 1:
             return tensor
         if torch.compiler.is_compiling():  # traceable into the graph
-            return funcol.all_gather_single(tensor.contiguous(), 0, self.ep_group)
+            return traceable_all_gather(tensor.contiguous(), 0, self.ep_group)
         # Eager: a synchronous collective. (Eager functional collectives on gloo corrupted the
         # heap here when ranks ran ahead with several collectives in flight.)
         parts = [torch.empty_like(tensor) for _ in range(self.ep_size)]
