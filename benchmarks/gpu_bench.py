@@ -11,9 +11,9 @@ longer fits is reported as skipped, never silently dropped):
 2. routing_op   the registered op against the inline composite on CUDA (T=16 and 4096)
 3. bench        `eplb-graph bench --device cuda`: eager / compiled / graph (CUDA graphs) x
                 EPLB off / on_idle / on_rearranging, default model, decode batch 16 per rank
-4. bench_large  the same at a larger shape (288 physical experts, top-8, width 1024)
-5. run          `eplb-graph run --device cuda --mode graph` for 1100 steps: >= 100
+4. run          `eplb-graph run --device cuda --mode graph` for 1100 steps: >= 100
                 rearrangements with 0 recaptures, 0 recompiles and outputs checked every step
+5. bench_large  the same bench as 3 at a larger shape (288 physical experts, top-8, width 1024)
 6. bench_data_plane        `eplb-graph bench --device cuda --data-plane`: the routing op's cost
                            in eager / compiled / graph mode, one process, no vLLM needed (EPLB
                            off vs on at identity placement, outputs and recorded load checked)
@@ -27,16 +27,28 @@ tests need vLLM (EPLB's control plane is upstream's); where it is not importable
 reported as skipped with the reason, and the vLLM-free stages (the ops, the lookup under
 CUDA graph replay, CapturedForward, the routing op's timing, the data-plane benches) still
 run: without vLLM, graph mode's speedup over eager and EPLB-on / EPLB-off are still measured.
+The lent H200 image has no vLLM and cannot download one: ``--carry DIR`` installs the carry
+``benchmarks/gpu_carry.py`` packs (vLLM's Python without its compiled kernels, and the
+packages it needs that the image lacks, ~30 MB) into a scratch directory first, so every
+stage runs there. The device call, with ``carry=[".gpu-carry"]``:
+
+    pip install -q --no-deps --no-build-isolation -e . && python benchmarks/gpu_bench.py \
+        --carry .gpu-carry --out /tmp/gpu 2>&1 | tee $OUT/gpu_bench.log; cp /tmp/gpu/gpu_bench.json $OUT/
+
+(``gpu_bench.json`` holds every stage's JSON, so it alone need come back from the device.)
 Writes ``gpu_bench.json`` beside each stage's own JSON under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +77,23 @@ def preflight() -> str | None:
         return (f"eplb_graph is not installed in this environment: pip install --no-deps --no-build-isolation -e . "
                 f"({error})")
     return None
+
+
+def use_carry(carry: Path) -> dict:
+    """Installs a carry (``benchmarks/gpu_carry.py``) into a scratch site directory, first on this
+    process's path and on every stage's ``PYTHONPATH``; returns what the report says of it."""
+    spec = importlib.util.spec_from_file_location("gpu_carry", Path(__file__).with_name("gpu_carry.py"))
+    gpu_carry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_carry)
+    site = tempfile.mkdtemp(prefix="eplb-graph-carry-")
+    try:
+        manifest = gpu_carry.install(carry, Path(site))
+    except gpu_carry.CarryError:  # says why; main reports it
+        shutil.rmtree(site)
+        raise
+    sys.path.insert(0, site)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))
+    return {"site": site, "pins": manifest["pins"], "vllm_files_left_out": manifest["files_left_out"]}
 
 
 def vllm_problem() -> str | None:
@@ -98,10 +127,11 @@ def plan(out: Path, ranks: int, without_vllm: str | None) -> list[Stage]:
                              "--out", str(out / "routing_op.json")], 60, out / "routing_op.json"),
         Stage("bench", [*cli, "bench", "--device", "cuda", "--ranks", str(ranks), "--steps", "200",
                         "--out", str(bench_out)], 180, bench_out / "bench.json", needs_vllm),
-        Stage("bench_large", [*cli, "bench", "--device", "cuda", "--ranks", str(ranks), "--steps", "100",
-                              *LARGE_SHAPE, "--out", str(large_out)], 150, large_out / "bench.json", needs_vllm),
+        # the main job's targets (>= 100 rearrangements, 0 recaptures) before the larger shape's bench
         Stage("run", [*cli, "run", "--device", "cuda", "--mode", "graph", "--ranks", str(ranks), "--steps", "1100",
                       "--interval", "10", "--out", str(run_out)], 150, run_out / "report.json", needs_vllm),
+        Stage("bench_large", [*cli, "bench", "--device", "cuda", "--ranks", str(ranks), "--steps", "100",
+                              *LARGE_SHAPE, "--out", str(large_out)], 150, large_out / "bench.json", needs_vllm),
         # vLLM-free, last: where vLLM runs, the stages above are worth more of the budget. 180 s
         # each: up to four cold Inductor compiles per shape (off and on_idle, at capture sizes
         # 16 and 64 for graph mode); where vLLM is absent they have the rest of the budget
@@ -185,8 +215,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("out/gpu"))
     parser.add_argument("--budget-s", type=float, default=450, help="all stages together (the call must stay under 8 min)")
+    parser.add_argument("--carry", type=Path, help="a carry of vLLM's control plane to install first (benchmarks/gpu_carry.py)")
     args = parser.parse_args()
-    started = time.monotonic()  # the budget includes the preflight, which builds the C++ routing kernel on a fresh machine
+    started = time.monotonic()  # the budget includes the carry and the preflight, which builds the C++ routing kernel
+    try:
+        carried = use_carry(args.carry) if args.carry is not None else None
+    except RuntimeError as error:  # gpu_carry.CarryError
+        print(f"gpu_bench: cannot use --carry {args.carry}: {error}", file=sys.stderr)
+        return 2
     problem = preflight()
     if problem is not None:
         print(f"gpu_bench: cannot run here: {problem}", file=sys.stderr)
@@ -206,7 +242,7 @@ def main() -> int:
         stages.run(stage)
 
     report = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
-              "ranks": ranks, "vllm": without_vllm or "importable", "cpu_layer_kernel": CPU_LAYER_KERNEL,
+              "ranks": ranks, "vllm": without_vllm or "importable", "vllm_carry": carried, "cpu_layer_kernel": CPU_LAYER_KERNEL,
               "stages": stages.report}
     (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=2))
     from eplb_graph.bench import format_table
