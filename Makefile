@@ -5,7 +5,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 OUT ?= out
 
-.PHONY: run test bench venv clean
+.PHONY: run test bench gpu-carry venv clean
 
 $(STAMP): requirements/cpu.txt requirements/dev.txt requirements/triton-interpreter.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -35,5 +35,9 @@ bench: $(STAMP)
 	$(VENV)/bin/eplb-graph bench --data-plane --mode compiled --steps 1000 --cpp-wrapper --out $(OUT)/bench_data_plane_cpp_wrapper
 	$(VENV)/bin/python benchmarks/bench_injected_work.py --out $(OUT)/bench_injected_work.json
 
+# vLLM's control plane for the lent GPU image (no vLLM there): benchmarks/gpu_carry.py
+gpu-carry: $(STAMP)
+	$(VENV)/bin/python benchmarks/gpu_carry.py --out .gpu-carry
+
 clean:
-	rm -rf $(VENV) $(OUT) build *.egg-info
+	rm -rf $(VENV) $(OUT) build *.egg-info .gpu-carry
