@@ -32,7 +32,7 @@ The lent H200 image has no vLLM and cannot download one: ``--carry DIR`` install
 packages it needs that the image lacks, ~30 MB) into a scratch directory first, so every
 stage runs there. The device call, with ``carry=[".gpu-carry"]``:
 
-    pip install -q --no-deps --no-build-isolation -e . && python benchmarks/gpu_bench.py \
+    python3 -m pip install -q --no-deps --no-build-isolation -e . && python3 benchmarks/gpu_bench.py \
         --carry .gpu-carry --out /tmp/gpu 2>&1 | tee $OUT/gpu_bench.log; cp /tmp/gpu/gpu_bench.json $OUT/
 
 (``gpu_bench.json`` holds every stage's JSON, so it alone need come back from the device.)
