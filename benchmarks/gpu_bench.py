@@ -35,7 +35,8 @@ stage runs there. The device call, with ``carry=[".gpu-carry"]``:
     python3 -m pip install -q --no-deps --no-build-isolation -e . && python3 benchmarks/gpu_bench.py \
         --carry .gpu-carry --out /tmp/gpu 2>&1 | tee $OUT/gpu_bench.log; cp /tmp/gpu/gpu_bench.json $OUT/
 
-(``gpu_bench.json`` holds every stage's JSON, so it alone need come back from the device.)
+(``gpu_bench.json`` holds every stage's JSON, so it alone need come back from the device;
+``--only bench,run`` in a second call reruns stages that ran out of budget.)
 Writes ``gpu_bench.json`` beside each stage's own JSON under ``--out``.
 """
 
@@ -143,6 +144,20 @@ def plan(out: Path, ranks: int, without_vllm: str | None) -> list[Stage]:
     ]
 
 
+def select(stages: list[Stage], only: list[str] | None) -> list[Stage]:
+    """``stages`` with those ``only`` leaves out reported as skipped (None: all run)."""
+    for stage in stages:
+        if only is not None and stage.name not in only:
+            stage.skip_why = "not asked for (--only)"
+    return stages
+
+
+def exit_code(report: dict[str, dict], only: list[str] | None) -> int:
+    """0 when every stage asked for ran and passed; a skip for lack of vLLM or budget counts as not."""
+    asked = [entry for name, entry in report.items() if only is None or name in only]
+    return 0 if all(entry["status"] == "ok" for entry in asked) else 1
+
+
 class Stages:
     def __init__(self, budget_s: float) -> None:
         self.deadline = time.monotonic() + budget_s
@@ -216,7 +231,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("out/gpu"))
     parser.add_argument("--budget-s", type=float, default=450, help="all stages together (the call must stay under 8 min)")
     parser.add_argument("--carry", type=Path, help="a carry of vLLM's control plane to install first (benchmarks/gpu_carry.py)")
+    parser.add_argument("--only", type=lambda names: names.split(","), default=None,
+                        help="these stages only, comma-separated (a second call rerunning one that ran out of time)")
     args = parser.parse_args()
+    known = [stage.name for stage in plan(args.out, 1, None)]
+    if args.only is not None and not set(args.only) <= set(known):
+        parser.error(f"--only: unknown stage {sorted(set(args.only) - set(known))}; the stages are {known}")
     started = time.monotonic()  # the budget includes the carry and the preflight, which builds the C++ routing kernel
     try:
         carried = use_carry(args.carry) if args.carry is not None else None
@@ -238,7 +258,7 @@ def main() -> int:
         print(f"gpu_bench: {without_vllm}; running the stages that do not need it", flush=True)
     stages = Stages(args.budget_s - (time.monotonic() - started))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    for stage in plan(args.out, ranks, without_vllm):
+    for stage in select(plan(args.out, ranks, without_vllm), args.only):
         stages.run(stage)
 
     report = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
@@ -252,7 +272,7 @@ def main() -> int:
         if bench is not None:
             print(f"\n{name}:\n{format_table(bench)}")
     print("\n".join(summary_rows(stages.report)))  # the table, last
-    return 0 if all(entry["status"] == "ok" for entry in stages.report.values()) else 1
+    return exit_code(stages.report, args.only)
 
 
 if __name__ == "__main__":

@@ -84,3 +84,22 @@ def test_a_stage_runs_reads_its_json_and_a_skipped_stage_never_runs(tmp_path):
     failed = stages.run(gpu_bench.Stage("fails", [sys.executable, "-c", "raise SystemExit(3)"], 60))
     assert failed["status"] == "exit 3"
     assert list(stages.report) == ["writes", "needs_vllm", "fails"]
+
+
+def test_only_names_known_stages_before_anything_runs(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--only", "bench,benchh", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--only: unknown stage ['benchh']" in done.stderr and "'bench_large'" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_only_runs_the_stages_it_names_and_the_exit_code_reads_those():
+    gpu_bench = load_benchmark("gpu_bench")
+    stages = gpu_bench.select(gpu_bench.plan(BENCHMARKS, 1, None), ["bench", "run"])
+    assert [stage.name for stage in stages if stage.skip_why is None] == ["bench", "run"]
+    assert {stage.skip_why for stage in stages if stage.name not in ("bench", "run")} == {"not asked for (--only)"}
+    report = {"cuda_tests": {"status": "skipped"}, "bench": {"status": "ok"}, "run": {"status": "ok"}}
+    assert gpu_bench.exit_code(report, ["bench", "run"]) == 0
+    assert gpu_bench.exit_code(report, None) == 1  # without --only, a skipped stage is a missing figure
+    assert gpu_bench.exit_code({**report, "run": {"status": "timeout after 150 s"}}, ["bench", "run"]) == 1
