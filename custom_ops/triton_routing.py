@@ -14,6 +14,11 @@ import triton.language as tl
 
 from .routing import HASH_MASK, KNUTH_MULTIPLIER
 
+# A @triton.jit body may read a module global only when it is a constexpr: a plain int
+# compiles under TRITON_INTERPRET=1 and is refused by the real GPU compile.
+KNUTH_MULTIPLIER_C = tl.constexpr(KNUTH_MULTIPLIER)
+HASH_MASK_C = tl.constexpr(HASH_MASK)
+
 
 @triton.jit
 def _map_and_record_kernel(
@@ -41,7 +46,7 @@ def _map_and_record_kernel(
     count = tl.load(replica_count_ptr + safe_ids, mask=valid, other=1).to(tl.int64)
     count = tl.maximum(count, 1)
     rows = (offsets // top_k).to(tl.int64)
-    replica = ((rows * KNUTH_MULTIPLIER) & HASH_MASK) % count
+    replica = ((rows * KNUTH_MULTIPLIER_C) & HASH_MASK_C) % count
     physical = tl.load(lookup_ptr + safe_ids * max_replicas + replica, mask=valid, other=-1)
     physical = tl.where(valid, physical, -1)
     tl.store(physical_ids_ptr + offsets, physical.to(physical_ids_ptr.dtype.element_ty), mask=in_bounds)

@@ -1,7 +1,7 @@
 """The Triton (CUDA) routing kernel run by Triton's interpreter on host tensors.
 
 Not collected by ``make test`` directly (the name has no ``test_`` prefix):
-``test_triton_kernel_interpreted.py`` runs this file in a subprocess with
+``test_triton_routing.py`` runs this file in a subprocess with
 ``TRITON_INTERPRET=1`` and the Triton release the lent GPU image has on its path. The main
 test process never imports Triton (vLLM's CPU build and Inductor change behaviour when
 it is importable).
@@ -26,7 +26,7 @@ from tests.custom_ops.routing_cases import check_layer_kernel_follows_its_tables
 from tests.routing_reference import map_to_physical_reference, record_load_reference
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("run by test_triton_kernel_interpreted.py with TRITON_INTERPRET=1", allow_module_level=True)
+    pytest.skip("run by test_triton_routing.py with TRITON_INTERPRET=1", allow_module_level=True)
 
 triton_routing = pytest.importorskip("eplb_graph.custom_ops.triton_routing")
 
