@@ -95,20 +95,33 @@ def data_plane_steps(cfg: RunConfig) -> dict:
     ``cfg.steps`` decode steps each, rotating. Returns times, compile times, counts, checks."""
     on_cfg = dataclasses.replace(cfg, eplb=True, ranks=1)
     off_cfg = dataclasses.replace(cfg, eplb=False, ranks=1)
-    device = rank_device(cfg)
     with torch.no_grad():
         on, off = _without_reference(on_cfg), _without_reference(off_cfg)
         twin = _without_reference(off_cfg)  # same seed, same weights
-        rank_layers, flags = on[2], on[3]
-        controllers = {"on_idle": FlagsOnly(flags)}
-        prepared = prepare_models(paired_models(on, off, twin, on_cfg, off_cfg), controllers, cfg, 0, device)
-        graphs = unique_graphs()
-        load_before = torch.stack([layer.tables.load.to("cpu", torch.int64) for layer in rank_layers])  # [L, P]
-        agreement = OutputAgreement(cfg.output_tolerance)
-        timed = rotating_steps(prepared.forwards, controllers, prepared.decode, cfg.steps, device,
-                               after_step=agreement)
-        load_after = torch.stack([layer.tables.load.to("cpu", torch.int64) for layer in rank_layers])
-        recompiles = unique_graphs() - graphs
+        try:
+            return _time_paired(cfg, on, off, twin, on_cfg, off_cfg)
+        finally:
+            # The next mode in this process builds the same layer keys and compiles the same
+            # frame: Dynamo's cache would keep these layers alive and its recompile limit
+            # would count this mode's graphs against the next one's.
+            for layer in on[2]:
+                layer.close()
+            torch._dynamo.reset()
+
+
+def _time_paired(cfg: RunConfig, on: tuple, off: tuple, twin: tuple, on_cfg: RunConfig, off_cfg: RunConfig) -> dict:
+    """``data_plane_steps`` once its three models are built."""
+    device = rank_device(cfg)
+    rank_layers, flags = on[2], on[3]
+    controllers = {"on_idle": FlagsOnly(flags)}
+    prepared = prepare_models(paired_models(on, off, twin, on_cfg, off_cfg), controllers, cfg, 0, device)
+    graphs = unique_graphs()
+    load_before = torch.stack([layer.tables.load.to("cpu", torch.int64) for layer in rank_layers])  # [L, P]
+    agreement = OutputAgreement(cfg.output_tolerance)
+    timed = rotating_steps(prepared.forwards, controllers, prepared.decode, cfg.steps, device,
+                           after_step=agreement)
+    load_after = torch.stack([layer.tables.load.to("cpu", torch.int64) for layer in rank_layers])
+    recompiles = unique_graphs() - graphs
     decode_tokens = [batch.num_tokens for batch in prepared.decode]
     expected_load = sum(decode_tokens[step % len(decode_tokens)] for step in range(cfg.steps)) * cfg.top_k
     return {

@@ -15,21 +15,24 @@ from eplb_graph.custom_ops import CPU_LAYER_KERNEL
 from eplb_graph.runner import RunConfig
 from tests.markers import requires_cuda
 
-QUICK = dict(ranks=1, steps=20, backend="aot_eager")  # Inductor is not the subject here
+QUICK = dict(ranks=1, steps=20, backend="aot_eager")
+MODES = ("eager", "compiled", "graph")  # on the host, graph is compiled again: the harness is what is run  # Inductor is not the subject here
 
 
 def test_data_plane_bench_times_a_routing_op_that_routes_and_records():
     threads_before = torch.get_num_threads()
     threads = threads_before + 1  # not this process's count: the bench must set it, then give it back
-    report = run_data_plane_bench(RunConfig(**QUICK, threads=threads), ("eager", "compiled"))
+    # all three modes in one process, as the GPU call runs them: the layer keys and the compiled
+    # frame of one mode must not leak into the next (a duplicate key, Dynamo's recompile limit)
+    report = run_data_plane_bench(RunConfig(**QUICK, threads=threads), MODES)
     assert report["intra_op_threads"] == [threads] and torch.get_num_threads() == threads_before
     assert report["failed_checks"] == [] and report["data_plane_only"] is True and report["ranks"] == 1
     assert report["cpp_wrapper"] is False and report["cpu_layer_kernel"] == CPU_LAYER_KERNEL  # what was timed
     assert {(r["mode"], r["eplb"]) for r in report["results"]} == {
-        (mode, setting) for mode in ("eager", "compiled") for setting in ("off", "on_idle")}
+        (mode, setting) for mode in MODES for setting in ("off", "on_idle")}
     for result in report["results"]:
         assert result["p99_ms"] >= result["p50_ms"] > 0 and result["recompiles"] == 0 and result["decode_steps"] == 20
-    for mode in ("eager", "compiled"):
+    for mode in MODES:
         checks = report["checks"][mode]
         # identity placement: every id reaches a copy of its own expert, so on_idle computes what off computes
         assert checks["on_idle_vs_off_mismatches"] == 0 and checks["on_idle_vs_off_steps_checked"] == 20
