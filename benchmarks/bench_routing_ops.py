@@ -106,6 +106,7 @@ def main() -> None:
     report = {
         "benchmark": "map_and_record registered op vs inline torch composite (eager)",
         "device": args.device,
+        "cuda_kernel": eplb_graph.custom_ops.CUDA_KERNEL if args.device == "cuda" else None,
         "torch": torch.__version__,
         "eplb_graph": getattr(eplb_graph, "__version__", "0.1.0"),
         "machine": platform.processor() or platform.machine(),

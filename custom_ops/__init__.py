@@ -13,7 +13,7 @@ Kernels per dispatch key:
                native_routing.py) where it can be built; the others, and map_and_record_layer
                where C++ cannot be had: a numba loop (custom_ops/cpu_routing.py) where numba
                imports, else the torch composite (custom_ops/routing.py)
-  CUDA         one Triton launch where Triton is importable, else the torch composite
+  CUDA         one Triton launch where Triton imports, else the torch composite (CUDA_KERNEL says which)
   PrivateUse1  torch composite (torch_npu implements the aten ops it uses); torch_npu is
                never imported here -- the registration is inert until an NPU backend exists
   Meta/fake    shapes only
@@ -31,8 +31,17 @@ from .layer_routing import LAYER_TABLES, LayerTableRegistry
 NAMESPACE = "eplb_graph"
 
 
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+def _triton_kernels():
+    """(the Triton routing module, "triton"), or (None, why the CUDA kernel is the composite).
+    Where Triton is installed but broken, the ops still register, and the reason is kept in
+    ``CUDA_KERNEL`` for reports to name: a composite serving on a GPU is a different figure."""
+    if importlib.util.find_spec("triton") is None:
+        return None, "composite (Triton is not installed)"
+    try:
+        from . import triton_routing
+    except Exception as error:  # an ImportError, or a Triton built for another torch
+        return None, f"composite (Triton failed to import: {type(error).__name__}: {error})"
+    return triton_routing, "triton"
 
 
 def _numba_available() -> bool:
@@ -62,8 +71,9 @@ def _on_first_call(module: str, name: str, *, construct: bool = False):
     return call
 
 
-def _register(lib: torch.library.Library) -> str:
-    """Defines and implements the ops; returns which CPU kernel serves map_and_record_layer."""
+def _register(lib: torch.library.Library) -> tuple[str, str]:
+    """Defines and implements the ops; returns which CPU kernel serves map_and_record_layer,
+    and which CUDA kernel serves the ops."""
     lib.define(routing.MAP_TO_PHYSICAL_SCHEMA)
     lib.define(routing.RECORD_LOAD_SCHEMA)
     lib.define(routing.MAP_AND_RECORD_SCHEMA)
@@ -83,9 +93,8 @@ def _register(lib: torch.library.Library) -> str:
         cpu["record_load"] = routing.checked_record_load(_on_first_call("cpu_routing", "record_load_cpu"))
         cpu["map_and_record"] = routing.checked_map_and_record(cpu_map_and_record)
     cuda, cuda_layer_kernel = dict(composite), layer_routing.on_tables(routing.map_and_record_composite)
-    if _triton_available():
-        from . import triton_routing
-
+    triton_routing, cuda_kernel_name = _triton_kernels()
+    if triton_routing is not None:
         cuda_layer_kernel = layer_routing.on_tables(triton_routing.map_and_record_cuda)
         cuda["map_to_physical"] = routing.checked_map_to_physical(triton_routing.map_to_physical_cuda)
         cuda["map_and_record"] = routing.checked_map_and_record(triton_routing.map_and_record_cuda)
@@ -104,7 +113,7 @@ def _register(lib: torch.library.Library) -> str:
     layer_routing.register(lib, cpu_layer_kernel, cuda_layer_kernel)
     if native is not None:
         LAYER_TABLES.attach_native(native)
-    return cpu_layer_name
+    return cpu_layer_name, cuda_kernel_name
 
 
 def _already_registered() -> bool:
@@ -118,9 +127,11 @@ def _already_registered() -> bool:
 _LIBRARY: torch.library.Library | None = None
 # "native" (C++), "numba" or "composite": what a CPU call of map_and_record_layer runs.
 CPU_LAYER_KERNEL = "registered by another copy of this module"
+# "triton", or "composite (why)": what a CUDA call of the ops runs.
+CUDA_KERNEL = "registered by another copy of this module"
 if not _already_registered():
     _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
-    CPU_LAYER_KERNEL = _register(_LIBRARY)
+    CPU_LAYER_KERNEL, CUDA_KERNEL = _register(_LIBRARY)
 
 map_to_physical = torch.ops.eplb_graph.map_to_physical
 record_load = torch.ops.eplb_graph.record_load
@@ -129,6 +140,7 @@ map_and_record_layer = torch.ops.eplb_graph.map_and_record_layer
 
 __all__ = [
     "CPU_LAYER_KERNEL",
+    "CUDA_KERNEL",
     "LAYER_TABLES",
     "LayerTableRegistry",
     "NAMESPACE",

@@ -29,7 +29,7 @@ import torch
 
 from eplb_graph.custom_ops import CPU_LAYER_KERNEL
 from eplb_graph.launch import Heartbeat, run_ranks
-from eplb_graph.run_report import over_median, percentile
+from eplb_graph.run_report import cuda_kernel, over_median, percentile
 from eplb_graph.runner import (
     MODES,
     RunConfig,
@@ -84,19 +84,23 @@ def decode_batches(cfg: RunConfig, rank: int, device: torch.device) -> list[Batc
 def rotating_steps(forwards: dict[str, Callable], controllers: dict[str, EplbController | StepHooks | None],
                    batches: list[Batch], steps: int, device: torch.device,
                    heartbeat: Heartbeat | None = None,
-                   after_step: Callable[[dict[str, torch.Tensor]], None] | None = None) -> dict[str, list[TimedStep]]:
+                   after_step: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                   address_checks: dict[str, Callable[[], object]] | None = None) -> dict[str, list[TimedStep]]:
     """Every forward once per step on the same batch, the order rotating so each leads a step as
     often as the others: side by side in one process, the machine's noise hits all alike.
     ``heartbeat`` beats after each step (see ``eplb_graph.launch``); ``after_step`` gets the
     step's outputs by name, untimed, before the next step (a replayed graph overwrites its
-    output buffer)."""
+    output buffer). ``address_checks``: name -> its captured forward's ``check_addresses``,
+    run untimed after each of its steps."""
     names = list(forwards)
+    address_checks = address_checks or {}
     timed: dict[str, list[TimedStep]] = {name: [] for name in names}
     for step in range(steps):
         batch = batches[step % len(batches)]
         first = step % len(names)
         for name in names[first:] + names[:first]:
-            timed[name].append(timed_step(forwards[name], batch, device, controllers.get(name)))
+            timed[name].append(timed_step(forwards[name], batch, device, controllers.get(name),
+                                          after=address_checks.get(name)))
         if after_step is not None:
             after_step({name: timed[name][-1].out for name in names})
         if heartbeat is not None:
@@ -118,6 +122,11 @@ class PreparedModels:
     captured: dict[str, object | None]  # name -> its CapturedForward, None where nothing is captured
     compile_s: dict[str, float]  # name -> compile or capture time, its first (compiling) step included
     decode: list[Batch]  # the decode batches every model steps through
+
+    @property
+    def address_checks(self) -> dict[str, Callable[[], int]]:
+        """name -> its CapturedForward's check between steps (where a graph was captured)."""
+        return {name: c.check_addresses for name, c in self.captured.items() if c is not None}
 
     @property
     def recaptures(self) -> dict[str, int | None]:
@@ -165,7 +174,8 @@ def idle_vs_off_rank(rank: int, world_size: int, init_method: str, cfg: RunConfi
         # the backend's verifier is strict: a graph that fails it does not compile
         prepared = prepare_models(paired_models(on, off, twin, on_cfg, off_cfg), controllers, cfg, rank, device)
         graphs = unique_graphs()
-        timed = rotating_steps(prepared.forwards, controllers, prepared.decode, cfg.steps, device, heartbeat)
+        timed = rotating_steps(prepared.forwards, controllers, prepared.decode, cfg.steps, device, heartbeat,
+                               address_checks=prepared.address_checks)
         recompiles = unique_graphs() - graphs
         controller.close()
     shutdown_expert_parallel()
@@ -331,6 +341,7 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
         "expert_kernel": base.expert_kernel,
         "cpp_wrapper": base.cpp_wrapper,  # compiled mode: Inductor's wrapper in C++
         "cpu_layer_kernel": CPU_LAYER_KERNEL,  # what serves the routing op on the host: native (C++) or numba
+        "cuda_kernel": cuda_kernel(base.device),  # "triton" where the ops ran on CUDA through it
         "intra_op_threads": intra_op_threads,  # torch's, per rank (the same in every run of this bench)
         "ranks": base.ranks,
         "steps_per_run": base.steps,

@@ -41,6 +41,7 @@ from eplb_graph.bench import (
 )
 from eplb_graph.custom_ops import CPU_LAYER_KERNEL
 from eplb_graph.layer_lookup import BatchFlags
+from eplb_graph.run_report import cuda_kernel
 from eplb_graph.runner import (
     RunConfig,
     build_rank_models,
@@ -119,7 +120,7 @@ def _time_paired(cfg: RunConfig, on: tuple, off: tuple, twin: tuple, on_cfg: Run
     load_before = torch.stack([layer.tables.load.to("cpu", torch.int64) for layer in rank_layers])  # [L, P]
     agreement = OutputAgreement(cfg.output_tolerance)
     timed = rotating_steps(prepared.forwards, controllers, prepared.decode, cfg.steps, device,
-                           after_step=agreement)
+                           after_step=agreement, address_checks=prepared.address_checks)
     load_after = torch.stack([layer.tables.load.to("cpu", torch.int64) for layer in rank_layers])
     recompiles = unique_graphs() - graphs
     decode_tokens = [batch.num_tokens for batch in prepared.decode]
@@ -196,6 +197,7 @@ def run_data_plane_bench(base: RunConfig, modes: tuple[str, ...], *,
         "expert_kernel": base.expert_kernel,
         "cpp_wrapper": base.cpp_wrapper,  # compiled mode: Inductor's wrapper in C++
         "cpu_layer_kernel": CPU_LAYER_KERNEL,  # what serves the routing op on the host: native (C++) or numba
+        "cuda_kernel": cuda_kernel(base.device),  # "triton" where the ops ran on CUDA through it
         "intra_op_threads": [threads],  # torch's, in this process
         "ranks": 1,
         "steps_per_run": base.steps,

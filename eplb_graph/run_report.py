@@ -62,6 +62,14 @@ def without_eplb_rank_load(logical_steps: torch.Tensor, ranks: int) -> torch.Ten
     return out.index_add_(2, owner, logical_steps)
 
 
+def cuda_kernel(device: str) -> str | None:
+    """What served the routing ops on ``device`` if it is CUDA ("triton", or the composite and
+    why), else None: a composite serving on a GPU would be another figure."""
+    from eplb_graph.custom_ops import CUDA_KERNEL
+
+    return CUDA_KERNEL if device == "cuda" else None
+
+
 def first_mismatch(results: list[dict]) -> dict:
     """The earliest mismatching step over ranks, and whether a rearrangement was in flight there
     (a move or commit bug shows first right after a commit); None for both without a mismatch."""
@@ -84,6 +92,7 @@ def summarize(cfg, results: list[dict]) -> dict:
         "weight_format": cfg.weight_format,
         "expert_kernel": cfg.expert_kernel,
         "cpp_wrapper": cfg.cpp_wrapper,
+        "cuda_kernel": cuda_kernel(cfg.device),
         "intra_op_threads": [r["intra_op_threads"] for r in results],  # torch's, per rank
         "eplb": cfg.eplb,
         "num_layers": cfg.num_layers,
@@ -109,7 +118,9 @@ def summarize(cfg, results: list[dict]) -> dict:
         "tokens_per_s": round(sum(r["tokens"] for r in results) / (sum(step_ms) / 1e3 / len(results)), 1) if step_ms else None,
         "rearrangement_finished_steps": first["rearrangement_finished_steps"],
     }
-    if first["rank_load"]:
+    # On one rank every load is that rank's: mean / max is 1.0 whatever EPLB does, a figure
+    # that measures nothing, so it is not reported.
+    if first["rank_load"] and cfg.ranks > 1:
         window = cfg.step_interval
         executed = torch.tensor(first["rank_load"])  # [steps, L, ranks]
         logical = torch.tensor(first["logical_load"])  # [steps, L, E]
@@ -157,7 +168,7 @@ def write_plots(out: Path, cfg, results: list[dict]) -> list[Path]:
     import matplotlib.pyplot as plt
 
     first = results[0]
-    if not first["rank_load"]:
+    if not first["rank_load"] or cfg.ranks < 2:  # one rank: balancedness is 1.0 by definition
         return []
     executed = torch.tensor(first["rank_load"]).double()  # [steps, L, ranks]
     window = cfg.step_interval

@@ -59,6 +59,18 @@ def test_a_run_shorter_than_one_window_reports_json_numbers():
     json.dumps(report, allow_nan=False)
 
 
+def test_one_rank_reports_no_balancedness():
+    """On one rank mean / max of the rank load is 1.0 whatever EPLB does: nothing is reported."""
+    cfg = RunConfig(ranks=1, steps=3)
+    rank_load = [[[8], [8]]] * 3  # [steps][layers][ranks]
+    logical_load = [[[1] * 8 + [0] * 8, [0] * 8 + [1] * 8]] * 3
+    results = [asdict(RankResult(0, step_ms=[1.0, 1.0], kinds=["decode"] * 2, rebalancing=[False] * 2,
+                                 rank_load=rank_load, logical_load=logical_load, tokens=48))]
+    report = summarize(cfg, results)
+    assert report["balancedness_without_eplb"] is report["balancedness_before"] is report["balancedness_after"] is None
+    assert report["cuda_kernel"] is None  # no CUDA in this run
+
+
 def test_over_median_is_none_without_steps_on_either_side():
     steady, busy = [2.0, 2.0, 4.0, 3.0], [3.0, 5.0, 9.0]
     assert over_median(busy, steady) == 2.0  # median 5 over median 2.5
