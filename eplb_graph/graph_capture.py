@@ -6,9 +6,11 @@ around a static input buffer, and from then on copies a batch into that buffer a
 replays. The graph holds every tensor it reads by address -- routing tables, load
 buffers, batch flags, expert weights -- so EPLB must change them in place between
 replays (invariants 1 and 6). ``CapturedForward`` proves it did: it fingerprints those
-tensors' storage at capture and checks the fingerprint before each replay. A changed
-address means the graph would read a stale tensor, so that size is captured again and
-counted in ``recaptures`` (which the runner requires to stay 0).
+tensors' storage at capture and checks the fingerprint before each replay, or, where the
+caller says so (``check_addresses_on_replay=False``), whenever it calls ``check_addresses``
+between steps: reading every weight's address is host work a timed replay should not
+carry. A changed address means the graph would read a stale tensor, so that size is
+captured again and counted in ``recaptures`` (which the runner requires to stay 0).
 
 Warm-up runs execute the routing op for real, so recording is switched off for them (the
 flag is restored after): a capture must not add load that no batch produced.
@@ -94,6 +96,7 @@ class CapturedForward:
         flags: BatchFlags | None = None,
         graph_factory: Callable[[], DeviceGraph] | None = None,
         warmup_runs: int = 2,
+        check_addresses_on_replay: bool = True,  # False: the caller calls check_addresses between steps
     ) -> None:
         if not capture_sizes or min(capture_sizes) < 1:
             raise ValueError(f"capture sizes must be positive, got {capture_sizes}")
@@ -104,6 +107,7 @@ class CapturedForward:
         self.flags = flags
         self.new_graph = graph_factory or device_graph_factory(self.device)
         self.warmup_runs = warmup_runs
+        self.check_addresses_on_replay = check_addresses_on_replay
         self.stats = CaptureStats()
         self._graphs: dict[int, _Captured] = {}
 
@@ -154,6 +158,17 @@ class CapturedForward:
         finally:
             self.flags.record_enabled.copy_(saved)
 
+    def check_addresses(self) -> int:
+        """Captures again every size whose graph holds a tensor that was replaced, not updated
+        in place, since its capture; returns how many. EPLB commits in lockstep on every rank
+        (upstream's readiness all-reduce), so every rank sees the change at the same step and
+        recaptures together (warm-up runs collectives); the run then fails on the count."""
+        fingerprint = storage_fingerprint(self.graph_tensors())
+        stale = [size for size, entry in self._graphs.items() if entry.fingerprint != fingerprint]
+        for size in stale:
+            self._capture(size)
+        return len(stale)
+
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:  # [1, S] padded to a capture size
         size = tokens.shape[-1]
         entry = self._graphs.get(size)
@@ -162,10 +177,7 @@ class CapturedForward:
                 f"batch of {size} tokens has no captured graph (capture sizes {self.capture_sizes}); "
                 f"pad batches to a capture size"
             )
-        if storage_fingerprint(self.graph_tensors()) != entry.fingerprint:
-            # A tensor the graph reads was replaced, not updated in place. EPLB commits in
-            # lockstep on every rank (upstream's readiness all-reduce), so every rank sees the
-            # change at the same step and recaptures together; the run then fails on the count.
+        if self.check_addresses_on_replay and storage_fingerprint(self.graph_tensors()) != entry.fingerprint:
             entry = self._capture(size)
         entry.static_input.copy_(tokens)
         entry.graph.replay()

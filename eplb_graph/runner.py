@@ -212,7 +212,7 @@ def build_rank_models(cfg: RunConfig, rank: int, ep_size: int, group):
 
     fmt = expert_format(cfg.weight_format)
     device = rank_device(cfg)
-    logical = build_reference_model(cfg.model_config(), seed=cfg.seed)
+    logical = build_reference_model(cfg.model_config(), seed=cfg.seed, device=device)
     reference, model = copy.deepcopy(logical), copy.deepcopy(logical)
     flags = BatchFlags(device)
     rank_layers = []
@@ -328,6 +328,7 @@ def prepare_step(model, cfg: RunConfig, rank_layers, flags, records: list):
     captured = CapturedForward(
         forward, tuple(cfg.capture_sizes), device=cfg.device, flags=flags,
         graph_tensors=graph_tensor_reader(model, rank_layers),
+        check_addresses_on_replay=False,  # timed_step's untimed ``after`` checks them between steps
     )
     captured.capture_all()
     return captured, captured
@@ -346,10 +347,12 @@ class TimedStep:
     eplb_host_s: float  # of which begin_batch + end_batch: upstream's step, rearrange, layer commits
 
 
-def timed_step(forward, batch: Batch, device: torch.device, controller=None, between=None) -> TimedStep:
+def timed_step(forward, batch: Batch, device: torch.device, controller=None, between=None,
+               after=None) -> TimedStep:
     """One step as a server runs it: EPLB's host work before and after the forward counts;
     ``between`` (bookkeeping that must read the pass's load before ``end_batch`` folds it into
-    upstream's window) runs untimed."""
+    upstream's window) and ``after`` (a captured forward's address check, once the step's
+    commits are done) run untimed."""
     start = time.perf_counter()
     if controller is not None:
         controller.begin_batch(num_unpadded_tokens=batch.num_tokens, is_prefill=batch.is_prefill)
@@ -364,6 +367,8 @@ def timed_step(forward, batch: Batch, device: torch.device, controller=None, bet
         controller.end_batch()
         synchronize(device)
     end = time.perf_counter()
+    if after is not None:
+        after()
     return TimedStep(out, forward_end - start + end - end_start, forward_start - start + end - end_start)
 
 
@@ -396,10 +401,11 @@ def intra_op_threads(count: int) -> Iterator[None]:
 def rank_session(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> Iterator[tuple]:
     """This process as one EP rank: vLLM's groups with the run's EPLB window and interval, the
     vLLM config current and autograd off. Yields (activation group or None, CPU group)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed.parallel_state import get_ep_group
+    from eplb_graph.expert_parallel import inductor_compile_threads_kept, init_expert_parallel
 
-    from eplb_graph.expert_parallel import init_expert_parallel
+    with inductor_compile_threads_kept():
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.parallel_state import get_ep_group
 
     # torchrun sets LOCAL_RANK / LOCAL_WORLD_SIZE; our own launcher runs every rank on this machine
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -459,7 +465,8 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig, heart
             size = tokens.shape[1]
             busy = controller is not None and controller.rebalancing
             timed = timed_step(forward, batch, device, controller,
-                               record_loads if cfg.eplb and cfg.collect_load_stats else None)
+                               record_loads if cfg.eplb and cfg.collect_load_stats else None,
+                               captured.check_addresses if captured is not None else None)
             out, elapsed = timed.out, timed.seconds
             if controller is not None:
                 busy = busy or controller.rebalancing  # the step that starts a rearrangement pays for it

@@ -49,10 +49,10 @@ def one_rank_model(device: str):
             layer.close()
 
 
-def captured(cfg, model, layers, flags, graph_factory) -> CapturedForward:
+def captured(cfg, model, layers, flags, graph_factory, **options) -> CapturedForward:
     return CapturedForward(
         model, cfg.capture_sizes, device=cfg.device, flags=flags, graph_factory=graph_factory,
-        graph_tensors=graph_tensor_reader(model, layers),
+        graph_tensors=graph_tensor_reader(model, layers), **options,
     )
 
 
@@ -126,6 +126,28 @@ def test_a_replaced_table_is_recaptured_and_counted(device, graph):
         experts.w2 = torch.nn.Parameter(experts.w2.detach().clone(), requires_grad=False)  # a weight replaced
         forward(batch.tokens)
         assert forward.stats.recaptures == 2
+
+
+@pytest.mark.parametrize("device,graph", GRAPHS)
+def test_checked_between_steps_a_replay_reads_no_address_and_a_replaced_table_recaptures_every_size(device, graph):
+    """The runtime's form: no address walk inside a (timed) replay; ``check_addresses`` after the
+    step's commits captures again each size whose graph holds a replaced tensor."""
+    with one_rank_model(device) as (cfg, model, reference, layers, flags):
+        reads = []
+        reader = graph_tensor_reader(model, layers)
+        forward = CapturedForward(model, cfg.capture_sizes, device=device, flags=flags, graph_factory=graph,
+                                  graph_tensors=lambda: reads.append(1) or reader(), check_addresses_on_replay=False)
+        forward.capture_all()
+        reads.clear()
+        batch = make_batch(cfg.workload(), 1, 0).to(device)
+        forward(batch.tokens)
+        forward(batch.tokens)
+        assert reads == [] and forward.check_addresses() == 0 and len(reads) == 1
+        layers[0].tables.lookup = layers[0].tables.lookup.clone()  # replaced, not updated
+        assert forward.check_addresses() == len(cfg.capture_sizes)
+        assert forward.stats.recaptures == len(cfg.capture_sizes)
+        torch.testing.assert_close(forward(batch.tokens), reference(batch.tokens), rtol=1e-5, atol=1e-5)
+        assert forward.check_addresses() == 0  # the new graphs hold the new address
 
 
 def test_a_batch_of_an_uncaptured_size_is_refused():
