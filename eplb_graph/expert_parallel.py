@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -44,6 +46,25 @@ def _quiet_model_runner_checks() -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def inductor_compile_threads_kept() -> Iterator[None]:
+    """Around a first import of vLLM in a process of ours (a rank, a benchmark's parent): vLLM's
+    import sets ``TORCHINDUCTOR_COMPILE_THREADS=1`` for its own engine processes, which would
+    make every Inductor compile of this process and of every process it starts serial."""
+    name = "TORCHINDUCTOR_COMPILE_THREADS"
+    before = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+        config = sys.modules.get("torch._inductor.config")
+        if config is not None:  # decided at its import: decide again under the restored environment
+            config.compile_threads = config.decide_compile_threads()
 
 
 def init_expert_parallel(

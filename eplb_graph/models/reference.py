@@ -143,12 +143,16 @@ class ReferenceMoEModel(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def build_reference_model(config: ReferenceMoEConfig | None = None, *, seed: int = 0) -> ReferenceMoEModel:
-    """A randomly initialised reference model (deterministic for a seed), in eval mode."""
+def build_reference_model(config: ReferenceMoEConfig | None = None, *, seed: int = 0,
+                          device: torch.device | str = "cpu") -> ReferenceMoEModel:
+    """A randomly initialised reference model (deterministic for a seed and a device type), in
+    eval mode, built on ``device``: drawn there, a large model's weights do not wait on the
+    host's single-threaded generator and a copy across."""
     config = config or ReferenceMoEConfig()
-    gen = torch.Generator().manual_seed(seed)
-    model = ReferenceMoEModel(config)
+    gen = torch.Generator(device).manual_seed(seed)
+    with torch.device(device):
+        model = ReferenceMoEModel(config)
     with torch.no_grad():
         for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+            param.copy_(torch.randn(param.shape, generator=gen, device=device) * param.shape[-1] ** -0.5)
     return model.eval()
