@@ -1,11 +1,12 @@
 # Two commands for a newcomer: `make run` and `make test`. Both build .venv on first use
 # from the pinned CPU stack in requirements/ (about 90 s and 3.2 GB).
 PYTHON ?= python3.11
+PYTHON312 ?= python3.12
 VENV := .venv
 STAMP := $(VENV)/.installed
 OUT ?= out
 
-.PHONY: run test bench gpu-carry venv clean
+.PHONY: run test bench gpu-carry gpu-dryrun gpu-image-check venv clean
 
 $(STAMP): requirements/cpu.txt requirements/dev.txt requirements/triton-interpreter.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -39,5 +40,19 @@ bench: $(STAMP)
 gpu-carry: $(STAMP)
 	$(VENV)/bin/python benchmarks/gpu_carry.py --out .gpu-carry
 
+# The device call on the host: its stages, budget, report and kills, CUDA stages replaced by
+# their CPU equivalents and `run` made to time out (benchmarks/gpu_bench.py --dry-run)
+gpu-dryrun: $(STAMP)
+	$(VENV)/bin/python benchmarks/gpu_bench.py --dry-run --out $(OUT)/gpu-dryrun
+
+# The device call's imports under the lent image's Python 3.12 / torch 2.11 / Triton 3.6, and the
+# Triton kernel compiled by that Triton (benchmarks/gpu_image_check.py); needs python3.12
+GPU_IMAGE_VENV := .venv-gpu-image
+gpu-image-check: gpu-carry
+	test -x $(GPU_IMAGE_VENV)/bin/python || $(PYTHON312) -m venv $(GPU_IMAGE_VENV)
+	$(GPU_IMAGE_VENV)/bin/pip install -q -r requirements/gpu-image.txt
+	$(GPU_IMAGE_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	$(GPU_IMAGE_VENV)/bin/python benchmarks/gpu_image_check.py --carry .gpu-carry
+
 clean:
-	rm -rf $(VENV) $(OUT) build *.egg-info .gpu-carry
+	rm -rf $(VENV) $(GPU_IMAGE_VENV) $(OUT) build *.egg-info .gpu-carry

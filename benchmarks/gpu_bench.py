@@ -1,76 +1,69 @@
-"""The whole GPU comparison in one call: CUDA tests, the routing op, capture vs eager, the main job.
+"""Every GPU check and timing of eplb-graph in one device call, ordered to spend a borrowed GPU well.
 
-    python benchmarks/gpu_bench.py --out out/gpu        # about 6 minutes on one H200; table last
+    python3 benchmarks/gpu_bench.py --carry .gpu-carry --report $OUT/gpu_bench.json
 
-Stages, each a subprocess with its own timeout inside one overall budget (a stage that no
-longer fits is reported as skipped, never silently dropped):
+The first call runs the stages below in this order, each a subprocess with its own timeout
+inside one budget (``gpu_stages.py`` says how they run, are killed and reported); the
+vLLM-free stages come first, since they are the likeliest to pass and need nothing carried:
 
-1. cuda_tests   every CUDA test: the Triton routing kernel against the CPU kernel (opcheck),
-                the lookup refreshed in place under CUDA graph replay, CapturedForward with
-                real CUDA graphs, and `eplb-graph run --device cuda --mode graph`
-2. routing_op   the registered op against the inline composite on CUDA (T=16 and 4096)
-3. bench        `eplb-graph bench --device cuda`: eager / compiled / graph (CUDA graphs) x
-                EPLB off / on_idle / on_rearranging, default model, decode batch 16 per rank
-4. run          `eplb-graph run --device cuda --mode graph` for 1100 steps: >= 100
-                rearrangements with 0 recaptures, 0 recompiles and outputs checked every step
-5. bench_large  the same bench as 3 at a larger shape (288 physical experts, top-8, width 1024)
-6. bench_data_plane        `eplb-graph bench --device cuda --data-plane`: the routing op's cost
-                           in eager / compiled / graph mode, one process, no vLLM needed (EPLB
-                           off vs on at identity placement, outputs and recorded load checked)
-7. bench_data_plane_large  the same at the larger shape
+1. cuda_tests          vLLM-free CUDA tests: the Triton routing kernel against the CPU kernel
+                       (opcheck), the lookup refreshed in place under CUDA graph replay,
+                       CapturedForward with real CUDA graphs, the data-plane bench on CUDA
+2. routing_op          the registered op against the inline composite on CUDA (T=1..4096)
+3. bench_data_plane    `eplb-graph bench --device cuda --data-plane`: the routing op's cost in
+                       eager / compiled / graph (CUDA graphs) mode, one process, no vLLM
+4. runtime_tests       the runtime's CUDA test (`eplb-graph run --device cuda --mode graph`)
+5. run                 `eplb-graph run --device cuda --mode graph`, 1100 steps: >= 100
+                       rearrangements, 0 recaptures, 0 recompiles, outputs checked every step
+6. bench               `eplb-graph bench --device cuda`: eager / compiled / graph x EPLB off /
+                       on_idle / on_rearranging, default model, decode 16 per rank
 
-Ranks: one per visible GPU, at most 2 (NCCL runs one rank per GPU; on a one-GPU machine
-the EP group has one rank, which still rebalances replicas and moves weights).
-Needs torch with CUDA and this package installed into that environment (offline:
-``pip install --no-deps --no-build-isolation -e .``). Stages 3-5 and the runtime's CUDA
-tests need vLLM (EPLB's control plane is upstream's); where it is not importable they are
-reported as skipped with the reason, and the vLLM-free stages (the ops, the lookup under
-CUDA graph replay, CapturedForward, the routing op's timing, the data-plane benches) still
-run: without vLLM, graph mode's speedup over eager and EPLB-on / EPLB-off are still measured.
-The lent H200 image has no vLLM and cannot download one: ``--carry DIR`` installs the carry
-``benchmarks/gpu_carry.py`` packs (vLLM's Python without its compiled kernels, and the
-packages it needs that the image lacks, ~30 MB) into a scratch directory first, so every
-stage runs there. The device call, with ``carry=[".gpu-carry"]``:
+A second call, ``--only bench_data_plane_large,bench_large``, runs the larger shape (288
+physical experts, top-8, width 1024). Stages 4-6 need vLLM (EPLB's control plane is
+upstream's); ``--carry DIR`` installs the carry ``benchmarks/gpu_carry.py`` packs, since the
+lent image has none. A stage passes only when what it claims happened: tests ran (none
+skipped), the ops ran through Triton (``cuda_kernel``), rearrangements happened, no graph
+was captured again.
 
-    python3 -m pip install -q --no-deps --no-build-isolation -e . && python3 benchmarks/gpu_bench.py \
-        --carry .gpu-carry --out /tmp/gpu 2>&1 | tee $OUT/gpu_bench.log; cp /tmp/gpu/gpu_bench.json $OUT/
-
-(``gpu_bench.json`` holds every stage's JSON, so it alone need come back from the device;
-``--only bench,run`` in a second call reruns stages that ran out of budget.)
-Writes ``gpu_bench.json`` beside each stage's own JSON under ``--out``.
+``--dry-run`` runs the same plumbing on the host (``make gpu-dryrun``): each CUDA stage
+replaced by its CPU equivalent, the same budget and report, and ``run`` made to time out
+so the kill of a stage with rank processes and its partial output are exercised too.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-VLLM_FREE_CUDA_TEST_FILES = [
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_stages import Stage, StageRunner, exit_code, tests_ran  # noqa: E402
+
+VLLM_FREE_TEST_FILES = [
     "tests/custom_ops/test_routing_ops.py",
     "tests/eplb_graph/test_layer_lookup.py",
     "tests/eplb_graph/test_graph_capture.py",
     "tests/eplb_graph/test_bench_data_plane.py",
 ]
-RUNTIME_CUDA_TEST_FILES = ["tests/eplb_graph/test_runtime.py"]  # multi-rank runs: upstream's EPLB
+RUNTIME_TEST_FILES = ["tests/eplb_graph/test_runtime.py"]  # multi-rank runs: upstream's EPLB
 LARGE_SHAPE = ["--experts", "256", "--redundant", "32", "--top-k", "8", "--hidden", "1024", "--intermediate", "512"]
+SECOND_CALL = ("bench_data_plane_large", "bench_large")  # run only when --only names them
+DEFAULT_BUDGET_S = 420  # the stage timeouts below add up to it; the device call's timeout_s is 480
+RUN_STEPS, RUN_INTERVAL = 1100, 10
 
 
-def preflight() -> str | None:
-    """Why this machine cannot run any stage, or None."""
+def preflight(dry_run: bool) -> str | None:
+    """Why this machine cannot run the call, or None."""
     try:
         import torch
     except ImportError:
         return "torch is not importable"
-    if not torch.cuda.is_available():
+    if not dry_run and not torch.cuda.is_available():
         return "torch.cuda.is_available() is False"
     try:
         import eplb_graph.custom_ops  # noqa: F401  (custom_ops/ installs under eplb_graph)
@@ -98,92 +91,125 @@ def use_carry(carry: Path) -> dict:
 
 
 def vllm_problem() -> str | None:
-    """Why upstream's EPLB control plane cannot be used here, or None."""
+    """Why upstream's EPLB control plane cannot be used here, or None. vLLM's import would make
+    every later compile serial (here and in each stage): the compile threads are kept."""
+    from eplb_graph.expert_parallel import inductor_compile_threads_kept
+
     try:
-        import vllm.distributed.eplb.eplb_state  # noqa: F401
+        with inductor_compile_threads_kept():
+            import vllm.distributed.eplb.eplb_state  # noqa: F401
     except Exception as error:  # an ImportError, or a vLLM built for another torch
         return f"vLLM's EPLB control plane is not importable ({type(error).__name__}: {error})"
     return None
 
 
-@dataclass
-class Stage:
-    name: str
-    command: list[str]
-    timeout_s: float
-    json_file: Path | None = None
-    skip_why: str | None = None  # set: reported as skipped, never run
+# --- what each stage must show besides exiting 0 ------------------------------------------
 
 
-def plan(out: Path, ranks: int, without_vllm: str | None) -> list[Stage]:
-    """The stages in order; ``without_vllm``: why vLLM is missing (its stages are skipped)."""
+def _json_problems(entry: dict, device: str) -> list[str]:
+    data = entry.get("json")
+    if data is None:
+        return ["wrote no JSON"]
+    problems = [f"check failed: {problem}" for problem in data.get("failed_checks", [])]
+    if device == "cuda" and data.get("cuda_kernel") != "triton":
+        problems.append(f"the ops ran through {data.get('cuda_kernel')!r}, not the Triton kernel")
+    return problems
+
+
+def _graph_problems(data: dict) -> list[str]:
+    recaptured = [r for r in data.get("results", []) if r["mode"] == "graph" and r["recaptures"] != 0]
+    return [f"graph {r['eplb']}: recaptures {r['recaptures']} (0 expected)" for r in recaptured]
+
+
+def bench_check(device: str):
+    def check(entry: dict) -> list[str]:
+        problems = _json_problems(entry, device)
+        data = entry.get("json") or {}
+        problems += _graph_problems(data) if device == "cuda" else []
+        for r in data.get("results", []):
+            if r["eplb"] == "on_rearranging" and not r["rearrangements"]:
+                problems.append(f"{r['mode']} on_rearranging: no rearrangement happened")
+        return problems
+
+    return check
+
+
+def data_plane_check(device: str):
+    def check(entry: dict) -> list[str]:
+        problems = _json_problems(entry, device)
+        return problems + (_graph_problems(entry.get("json") or {}) if device == "cuda" else [])
+
+    return check
+
+
+def run_check(device: str, min_rearrangements: int):
+    def check(entry: dict) -> list[str]:
+        problems = _json_problems(entry, device)
+        data = entry.get("json") or {}
+        if data and data["rearrangements"] < min_rearrangements:
+            problems.append(f"{data['rearrangements']} rearrangements, {min_rearrangements} expected")
+        if device == "cuda" and data and data["recaptures"] != 0:
+            problems.append(f"recaptures {data['recaptures']} (0 expected)")
+        return problems + [f"failed invariant: {problem}" for problem in data.get("failed_invariants", [])]
+
+    return check
+
+
+def routing_op_check(device: str):
+    return lambda entry: _json_problems(entry, device)
+
+
+# --- the plan ------------------------------------------------------------------------------
+
+
+def plan(out: Path, ranks: int, without_vllm: str | None, *, dry_run: bool = False) -> list[Stage]:
+    """Every stage in order; ``without_vllm``: why vLLM is missing (its stages are skipped).
+    ``dry_run``: each CUDA stage's host equivalent, and ``run`` made to time out."""
+    device, graph = ("cpu", "compiled") if dry_run else ("cuda", "graph")
     cli = [sys.executable, "-m", "eplb_graph.cli"]
+    pytest = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k",
+              "not cuda" if dry_run else "cuda"]
     needs_vllm = None if without_vllm is None else f"needs vLLM: {without_vllm}"
-    test_files = VLLM_FREE_CUDA_TEST_FILES + (RUNTIME_CUDA_TEST_FILES if without_vllm is None else [])
-    bench_out, large_out, run_out = out / "bench", out / "bench_large", out / "run"
-    plane_out, plane_large_out = out / "bench_data_plane", out / "bench_data_plane_large"
+    steps = dict(bench=40 if dry_run else 200, large=20 if dry_run else 100, plane=100 if dry_run else 300)
+    # on the host, the CUDA graph-mode run's equivalent: the compiled two-rank run, outputs checked
+    runtime_tests = [*pytest[:-1], "rebalances_live and compiled" if dry_run else "cuda", *RUNTIME_TEST_FILES]
+    o = {name: out / name for name in ("bench", "bench_large", "run", "bench_data_plane", "bench_data_plane_large")}
     return [
-        Stage("cuda_tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-k", "cuda", *test_files], 150),
-        Stage("routing_op", [sys.executable, "benchmarks/bench_routing_ops.py", "--device", "cuda",
-                             "--out", str(out / "routing_op.json")], 60, out / "routing_op.json"),
-        Stage("bench", [*cli, "bench", "--device", "cuda", "--ranks", str(ranks), "--steps", "200",
-                        "--out", str(bench_out)], 180, bench_out / "bench.json", needs_vllm),
-        # the main job's targets (>= 100 rearrangements, 0 recaptures) before the larger shape's bench
-        Stage("run", [*cli, "run", "--device", "cuda", "--mode", "graph", "--ranks", str(ranks), "--steps", "1100",
-                      "--interval", "10", "--out", str(run_out)], 150, run_out / "report.json", needs_vllm),
-        Stage("bench_large", [*cli, "bench", "--device", "cuda", "--ranks", str(ranks), "--steps", "100",
-                              *LARGE_SHAPE, "--out", str(large_out)], 150, large_out / "bench.json", needs_vllm),
-        # vLLM-free, last: where vLLM runs, the stages above are worth more of the budget. 180 s
-        # each: up to four cold Inductor compiles per shape (off and on_idle, at capture sizes
-        # 16 and 64 for graph mode); where vLLM is absent they have the rest of the budget
-        Stage("bench_data_plane", [*cli, "bench", "--device", "cuda", "--data-plane", "--steps", "300",
-                                   "--out", str(plane_out)], 180, plane_out / "bench.json"),
-        Stage("bench_data_plane_large", [*cli, "bench", "--device", "cuda", "--data-plane", "--steps", "200",
-                                         *LARGE_SHAPE, "--out", str(plane_large_out)], 180,
-              plane_large_out / "bench.json"),
+        Stage("cuda_tests", [*pytest, *VLLM_FREE_TEST_FILES], 75, check=tests_ran),
+        Stage("routing_op", [sys.executable, "benchmarks/bench_routing_ops.py", "--device", device,
+                             "--out", str(out / "routing_op.json")], 30, out / "routing_op.json",
+              check=routing_op_check(device)),
+        Stage("bench_data_plane", [*cli, "bench", "--device", device, "--data-plane", "--steps", str(steps["plane"]),
+                                   "--out", str(o["bench_data_plane"])], 90, o["bench_data_plane"] / "bench.json",
+              check=data_plane_check(device)),
+        Stage("runtime_tests", runtime_tests, 60, skip_why=needs_vllm, check=tests_ran),
+        Stage("run", [*cli, "run", "--device", device, "--mode", graph, "--ranks", str(ranks), "--steps",
+                      str(RUN_STEPS), "--interval", str(RUN_INTERVAL), "--out", str(o["run"])],
+              20 if dry_run else 75, o["run"] / "report.json", needs_vllm,
+              check=run_check(device, RUN_STEPS // RUN_INTERVAL - 10), forced_timeout=dry_run),
+        Stage("bench", [*cli, "bench", "--device", device, "--ranks", str(ranks), "--steps", str(steps["bench"]),
+                        "--out", str(o["bench"])], 90, o["bench"] / "bench.json", needs_vllm, check=bench_check(device)),
+        Stage("bench_data_plane_large", [*cli, "bench", "--device", device, "--data-plane", "--steps",
+                                         str(steps["large"]), *LARGE_SHAPE, "--out", str(o["bench_data_plane_large"])],
+              120, o["bench_data_plane_large"] / "bench.json", check=data_plane_check(device)),
+        Stage("bench_large", [*cli, "bench", "--device", device, "--ranks", str(ranks), "--steps", str(steps["large"]),
+                              *LARGE_SHAPE, "--out", str(o["bench_large"])], 150, o["bench_large"] / "bench.json",
+              needs_vllm, check=bench_check(device)),
     ]
 
 
 def select(stages: list[Stage], only: list[str] | None) -> list[Stage]:
-    """``stages`` with those ``only`` leaves out reported as skipped (None: all run)."""
+    """The stages of this call: those ``only`` names, or without it the first call's (the large
+    shapes wait for a second call); the others are reported as skipped, never run."""
     for stage in stages:
         if only is not None and stage.name not in only:
-            stage.skip_why = "not asked for (--only)"
+            stage.skip_why, stage.asked = "not asked for (--only)", False
+        elif only is None and stage.name in SECOND_CALL:
+            stage.skip_why, stage.asked = f"second call: --only {','.join(SECOND_CALL)}", False
     return stages
 
 
-def exit_code(report: dict[str, dict], only: list[str] | None) -> int:
-    """0 when every stage asked for ran and passed; a skip for lack of vLLM or budget counts as not."""
-    asked = [entry for name, entry in report.items() if only is None or name in only]
-    return 0 if all(entry["status"] == "ok" for entry in asked) else 1
-
-
-class Stages:
-    def __init__(self, budget_s: float) -> None:
-        self.deadline = time.monotonic() + budget_s
-        self.report: dict[str, dict] = {}
-
-    def run(self, stage: Stage) -> dict:
-        left = self.deadline - time.monotonic()
-        if stage.skip_why is not None:
-            entry = {"status": "skipped", "why": stage.skip_why}
-        elif left < 30:
-            entry = {"status": "skipped", "why": f"{left:.0f} s of the budget left"}
-        else:
-            start = time.monotonic()
-            try:
-                done = subprocess.run(stage.command, capture_output=True, text=True, timeout=min(stage.timeout_s, left))
-                entry = {"status": "ok" if done.returncode == 0 else f"exit {done.returncode}",
-                         "tail": (done.stdout + done.stderr)[-3000:]}
-            except subprocess.TimeoutExpired:
-                entry = {"status": f"timeout after {min(stage.timeout_s, left):.0f} s"}
-            entry["seconds"] = round(time.monotonic() - start, 1)
-            if stage.json_file is not None and stage.json_file.exists():
-                entry["json"] = json.loads(stage.json_file.read_text())
-        entry["command"] = " ".join(stage.command)
-        self.report[stage.name] = entry
-        print(f"[{stage.name}] {entry['status']} ({entry.get('seconds', 0)} s)", flush=True)
-        return entry
+# --- the summary ---------------------------------------------------------------------------
 
 
 def bench_figures(bench: dict) -> str:
@@ -204,12 +230,12 @@ def bench_figures(bench: dict) -> str:
     return "; ".join(parts)
 
 
-def summary_rows(report: dict) -> list[str]:
-    rows = [f"{'stage':<12} {'status':<22} figures"]
-    for name, entry in report.items():
+def summary_rows(stages: dict) -> list[str]:
+    rows = [f"{'stage':<22} {'status':<22} figures"]
+    for name, entry in stages.items():
         data = entry.get("json", {})
         figures = ""
-        if name == "cuda_tests":
+        if name.endswith("tests"):
             figures = ((entry.get("tail") or "").strip().splitlines() or [""])[-1]
         elif name.startswith("bench") and data:
             figures = bench_figures(data)
@@ -222,57 +248,88 @@ def summary_rows(report: dict) -> list[str]:
                                 for r in data.get("results", []))
         if entry["status"] == "skipped":
             figures = entry.get("why", "")
-        rows.append(f"{name:<12} {entry['status']:<22} {figures}")
+        rows.append(f"{name:<22} {entry['status']:<22} {figures}")
     return rows
 
 
-def main() -> int:
+def header(dry_run: bool, ranks: int, without_vllm: str | None, carried: dict | None) -> dict:
+    """What the report says of the machine and of what served the ops."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    from eplb_graph.custom_ops import CPU_LAYER_KERNEL, CUDA_KERNEL
+
+    return {
+        "dry_run": dry_run,
+        "device": "cpu (dry run)" if dry_run else torch.cuda.get_device_name(),
+        "gpus": 0 if dry_run else torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "ranks": ranks,
+        "vllm": without_vllm or "importable",
+        "vllm_carry": carried,
+        "cuda_kernel": CUDA_KERNEL,
+        "cpu_layer_kernel": CPU_LAYER_KERNEL,  # EPLB_GRAPH_NATIVE_KERNEL=0: no host kernel build here
+        "inductor_compile_threads": inductor_config.compile_threads,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("out/gpu"))
-    parser.add_argument("--budget-s", type=float, default=450, help="all stages together (the call must stay under 8 min)")
+    parser.add_argument("--out", type=Path, default=Path("out/gpu"), help="each stage's own output")
+    parser.add_argument("--report", type=Path, help="gpu_bench.json, rewritten after every stage (default: OUT/gpu_bench.json)")
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="all stages together")
     parser.add_argument("--carry", type=Path, help="a carry of vLLM's control plane to install first (benchmarks/gpu_carry.py)")
     parser.add_argument("--only", type=lambda names: names.split(","), default=None,
-                        help="these stages only, comma-separated (a second call rerunning one that ran out of time)")
-    args = parser.parse_args()
+                        help="these stages only, comma-separated (the second call, or a rerun)")
+    parser.add_argument("--dry-run", action="store_true", help="the same call on the host, CUDA stages replaced")
+    args = parser.parse_args(argv)
     known = [stage.name for stage in plan(args.out, 1, None)]
     if args.only is not None and not set(args.only) <= set(known):
         parser.error(f"--only: unknown stage {sorted(set(args.only) - set(known))}; the stages are {known}")
-    started = time.monotonic()  # the budget includes the carry and the preflight, which builds the C++ routing kernel
+    args.report = args.report or args.out / "gpu_bench.json"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()  # the budget includes the carry and the preflight
+    os.environ["EPLB_GRAPH_NATIVE_KERNEL"] = "0"  # the host C++ kernel serves no GPU stage: do not build it
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
         carried = use_carry(args.carry) if args.carry is not None else None
     except RuntimeError as error:  # gpu_carry.CarryError
         print(f"gpu_bench: cannot use --carry {args.carry}: {error}", file=sys.stderr)
         return 2
-    problem = preflight()
+    problem = preflight(args.dry_run)
     if problem is not None:
         print(f"gpu_bench: cannot run here: {problem}", file=sys.stderr)
         return 2
     import torch
 
-    from eplb_graph.custom_ops import CPU_LAYER_KERNEL
-
     args.out.mkdir(parents=True, exist_ok=True)
-    ranks = min(2, torch.cuda.device_count())
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    ranks = 2 if args.dry_run else min(2, torch.cuda.device_count())
     without_vllm = vllm_problem()
     if without_vllm is not None:
         print(f"gpu_bench: {without_vllm}; running the stages that do not need it", flush=True)
-    stages = Stages(args.budget_s - (time.monotonic() - started))
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    for stage in select(plan(args.out, ranks, without_vllm), args.only):
-        stages.run(stage)
+    stages = select(plan(args.out, ranks, without_vllm, dry_run=args.dry_run), args.only)
+    runner = StageRunner(args.budget_s - (time.monotonic() - started), args.report,
+                         header(args.dry_run, ranks, without_vllm, carried), args.out / "logs",
+                         [stage.name for stage in stages])
+    for stage in stages:
+        runner.run(stage)
 
-    report = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
-              "ranks": ranks, "vllm": without_vllm or "importable", "vllm_carry": carried, "cpu_layer_kernel": CPU_LAYER_KERNEL,
-              "stages": stages.report}
-    (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=2))
     from eplb_graph.bench import format_table
 
     for name in ("bench", "bench_data_plane"):  # the full bench, or without vLLM the data-plane one
-        bench = stages.report[name].get("json")
+        bench = runner.stages[name].get("json")
         if bench is not None:
             print(f"\n{name}:\n{format_table(bench)}")
-    print("\n".join(summary_rows(stages.report)))  # the table, last
-    return exit_code(stages.report, args.only)
+    print("\n".join(summary_rows(runner.stages)))  # the table, last
+    print(f"wrote {args.report}")
+    return exit_code(runner.stages, [stage.name for stage in stages if stage.asked])
 
 
 if __name__ == "__main__":
