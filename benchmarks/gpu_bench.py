@@ -297,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()  # the budget includes the carry and the preflight
     os.environ["EPLB_GRAPH_NATIVE_KERNEL"] = "0"  # the host C++ kernel serves no GPU stage: do not build it
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    if args.dry_run:  # a vLLM built for CUDA (the carry) finds no platform on a host without one
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     try:
         carried = use_carry(args.carry) if args.carry is not None else None
     except RuntimeError as error:  # gpu_carry.CarryError
