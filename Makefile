@@ -6,7 +6,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 OUT ?= out
 
-.PHONY: run test bench gpu-carry gpu-dryrun gpu-image-check venv clean
+.PHONY: run test test-fast bench gpu-carry gpu-dryrun gpu-image-check venv clean
 
 $(STAMP): requirements/cpu.txt requirements/dev.txt requirements/triton-interpreter.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -24,17 +24,25 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/pytest -q tests
 
+# A developer's inner loop: everything but the tests that start rank processes or a vLLM engine
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not launches" tests
+
+# Every benchmark, JSON under $(OUT)/bench; `python benchmarks/results.py record $(OUT)/bench` keeps
+# the run and `python benchmarks/results.py render` writes benchmarks/RESULTS.md and the README table
+BENCH := $(OUT)/bench
 bench: $(STAMP)
-	$(VENV)/bin/python benchmarks/bench_routing_ops.py --out $(OUT)/bench_routing_ops.json
-	$(VENV)/bin/python benchmarks/bench_op_in_step.py --out $(OUT)/bench_op_in_step.json
-	$(VENV)/bin/python benchmarks/bench_movement.py --out $(OUT)/bench_movement.json
-	$(VENV)/bin/python benchmarks/bench_commit.py --out $(OUT)/bench_commit.json
-	$(VENV)/bin/python benchmarks/bench_transfer_planning.py --out $(OUT)/bench_transfer_planning.json
-	$(VENV)/bin/python benchmarks/bench_policy_stall.py --out $(OUT)/bench_policy_stall.json
-	$(VENV)/bin/eplb-graph bench --out $(OUT)/bench
-	$(VENV)/bin/eplb-graph bench --data-plane --steps 1000 --out $(OUT)/bench_data_plane
-	$(VENV)/bin/eplb-graph bench --data-plane --mode compiled --steps 1000 --cpp-wrapper --out $(OUT)/bench_data_plane_cpp_wrapper
-	$(VENV)/bin/python benchmarks/bench_injected_work.py --out $(OUT)/bench_injected_work.json
+	$(VENV)/bin/eplb-graph run --out $(BENCH)/run
+	$(VENV)/bin/eplb-graph bench --out $(BENCH)/bench
+	$(VENV)/bin/eplb-graph bench --data-plane --steps 1000 --out $(BENCH)/bench_data_plane
+	$(VENV)/bin/eplb-graph bench --data-plane --mode compiled --steps 1000 --cpp-wrapper --out $(BENCH)/bench_data_plane_cpp_wrapper
+	$(VENV)/bin/python benchmarks/bench_routing_ops.py --out $(BENCH)/bench_routing_ops.json
+	$(VENV)/bin/python benchmarks/bench_op_in_step.py --out $(BENCH)/bench_op_in_step.json
+	$(VENV)/bin/python benchmarks/bench_commit.py --out $(BENCH)/bench_commit.json
+	$(VENV)/bin/python benchmarks/bench_transfer_planning.py --out $(BENCH)/bench_transfer_planning.json
+	$(VENV)/bin/python benchmarks/bench_policy_stall.py --out $(BENCH)/bench_policy_stall.json
+	$(VENV)/bin/python benchmarks/bench_movement.py --out $(BENCH)/bench_movement.json
+	$(VENV)/bin/python benchmarks/bench_injected_work.py --out $(BENCH)/bench_injected_work.json
 
 # vLLM's control plane for the lent GPU image (no vLLM there): benchmarks/gpu_carry.py
 gpu-carry: $(STAMP)

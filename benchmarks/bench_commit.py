@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from eplb_graph import LayerLookup, initial_placement
-from eplb_graph.layer_lookup import check_expert_layout, logical_maps
+from eplb_graph.placement import check_expert_layout, logical_maps
 
 # (logical, redundant): the default job's model, a mid-size one, DeepSeek-V3 with 32 redundant.
 DEFAULT_SHAPES = ("16+4", "64+16", "256+32")
@@ -69,7 +69,7 @@ def upstream_model_state(num_logical: int, num_redundant: int, num_layers: int) 
 def bench_shape(num_logical: int, num_redundant: int, rounds: int, num_layers: int = 2) -> dict:
     from vllm.distributed.eplb import eplb_state
 
-    from eplb_graph.upstream_compat import UpstreamCapabilityAdapter
+    from eplb_graph.upstream.capability import UpstreamCapabilityAdapter
 
     upstream_commit = eplb_state._commit_eplb_maps_for_layer
     upstream_inversion = eplb_state.compute_logical_maps

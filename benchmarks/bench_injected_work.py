@@ -55,9 +55,12 @@ def inject_after_routers(model, work_us: float) -> None:
 
 
 def rank_main(rank: int, world_size: int, init_method: str, cfg, work_us: float) -> dict:
-    from eplb_graph.bench import decode_batches, rotating_steps
-    from eplb_graph.expert_parallel import shutdown_expert_parallel
-    from eplb_graph.runner import build_rank_models, prepare_step, rank_device, rank_session, timed_step
+    from eplb_graph.bench.harness import decode_batches, rotating_steps
+    from eplb_graph.runtime.groups import shutdown_expert_parallel
+    from eplb_graph.runtime.compile import prepare_step
+    from eplb_graph.runtime.groups import rank_session
+    from eplb_graph.runtime.stack import build_rank_models
+    from eplb_graph.runtime.step import rank_device, timed_step
 
     library = register_spin_op()  # held for the life of the registrations
     with rank_session(rank, world_size, init_method, cfg) as (group, _):
@@ -86,8 +89,8 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    from eplb_graph.launch import run_ranks
-    from eplb_graph.runner import RunConfig
+    from eplb_graph.runtime.launch import run_ranks
+    from eplb_graph.runtime.config import RunConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)

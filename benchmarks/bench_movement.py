@@ -1,12 +1,13 @@
 """Movement plane, measured side by side in one run (JSON out).
 
-Two EP ranks (processes, gloo on loopback) run a stack of MoE layers under upstream's
-async EPLB through our adapters. Reported, per rank:
+Two EP ranks (processes, gloo on loopback) run the reference decoder (``runtime.stack``,
+eager, wider experts than the default, no shared expert) under upstream's async EPLB through
+our adapters. Reported, per rank, over decode steps:
   * per-layer move: seconds and MB/s through GlooStagedCommunicator.execute, next to this
     machine's memcpy bandwidth measured in the same process;
   * main-thread commit cost per layer (upstream's move-from-buffer + map commit + our
-    in-place lookup refresh, i.e. the end_batch steps that committed a layer, minus a
-    steady end_batch);
+    in-place lookup refresh: the EPLB host work of a step that committed a layer, minus a
+    steady step's);
   * forward latency p50/p99: steady state, while an async rearrangement runs, and the
     step that carries a synchronous rearrangement (upstream's
     rearrange_expert_weights_inplace over every layer, inline, as its sync path does).
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from eplb_graph.run_report import over_median, percentile
+from eplb_graph.bench.stats import over_median, percentile
 
 
 def memcpy_gb_per_s(num_bytes: int = 64 << 20) -> float:
@@ -39,19 +40,15 @@ def memcpy_gb_per_s(num_bytes: int = 64 << 20) -> float:
     return num_bytes / min(times) / 1e9
 
 
-def rank_main(rank, world_size, init_method, spec_kwargs, steps, window, interval):
-    from vllm.config import set_current_vllm_config
+def rank_main(rank, world_size, init_method, cfg, steps):
     from vllm.distributed.eplb.rebalance_execute import rearrange_expert_weights_inplace
-    from vllm.distributed.parallel_state import get_ep_group
 
     from eplb_graph import mover
-    from eplb_graph.ep_runtime import StackSpec, build_rank_stack, skewed_batch
-    from eplb_graph.expert_parallel import init_expert_parallel, shutdown_expert_parallel
+    from eplb_graph.runtime.groups import rank_session, shutdown_expert_parallel
+    from eplb_graph.runtime.stack import build_rank_stack
+    from eplb_graph.runtime.step import timed_step
+    from eplb_graph.runtime.workload import make_batch
 
-    torch.set_num_threads(1)
-    spec = StackSpec(**spec_kwargs)
-    config = init_expert_parallel(rank, world_size, init_method, num_redundant_experts=spec.num_redundant,
-                                  window_size=window, step_interval=interval, timeout_s=60)
     moves = []
     execute = mover.GlooStagedCommunicator.execute
 
@@ -64,28 +61,23 @@ def rank_main(rank, world_size, init_method, spec_kwargs, steps, window, interva
         moves.append((time.perf_counter() - start, self.bytes_received + self.bytes_sent - before))
 
     mover.GlooStagedCommunicator.execute = timed_execute
-    with set_current_vllm_config(config):
-        stack = build_rank_stack(spec, rank, world_size)
-        controller = stack.controller
-        steady, rearranging, commit_steps, steady_end = [], [], [], []
+    workload = cfg.workload()
+    with rank_session(rank, world_size, init_method, cfg) as (group, _):
+        stack = build_rank_stack(cfg, rank, world_size, group)
+        controller, model = stack.controller, stack.models.model
+        steady, rearranging, commit_host, steady_host = [], [], [], []
         for step in range(steps):
-            x = skewed_batch(spec, step, rank, drift_every=interval)
+            batch = make_batch(workload, step, rank)
             busy = controller.rebalancing
             committed = controller.stats.layers_committed
-            start = time.perf_counter()
-            controller.begin_batch(num_unpadded_tokens=x.shape[0], is_prefill=False)
-            for layer in stack.layers:
-                x = x + layer(x)
-            forward_done = time.perf_counter()
-            controller.end_batch()
-            end = time.perf_counter()
-            if step < 4:
-                continue  # warm-up
-            (rearranging if busy else steady).append((end - start) * 1e3)
+            timed = timed_step(model, batch, torch.device("cpu"), controller)
+            if step < 4 or batch.kind != "decode":
+                continue  # warm-up; decode steps only, as the bench's figures
+            (rearranging if busy else steady).append(timed.seconds * 1e3)
             if controller.stats.layers_committed > committed:
-                commit_steps.append((end - forward_done) * 1e3)
+                commit_host.append(timed.eplb_host_s * 1e3)
             elif not busy:
-                steady_end.append((end - forward_done) * 1e3)
+                steady_host.append(timed.eplb_host_s * 1e3)
 
         # The synchronous path: one step that forwards and then rearranges every layer inline.
         old = controller.placements()
@@ -93,15 +85,14 @@ def rank_main(rank, world_size, init_method, spec_kwargs, steps, window, interva
         weights = [layer.weight_view for layer in stack.rank_layers]
         buffers = [torch.empty_like(w) for w in weights[0]]
         sync_steps = []
+        decode = make_batch(workload, 1, rank)
         for _ in range(3):
-            x = skewed_batch(spec, 0, rank)
             start = time.perf_counter()
-            for layer in stack.layers:
-                x = x + layer(x)
-            rearrange_expert_weights_inplace(old, new, weights, buffers, get_ep_group().device_group, controller.communicator)
+            model(decode.tokens)
+            rearrange_expert_weights_inplace(old, new, weights, buffers, group, controller.communicator)
             sync_steps.append((time.perf_counter() - start) * 1e3)
             old, new = new, old
-        controller.close()
+        stack.close()
     shutdown_expert_parallel()
 
     move_s = [s for s, _ in moves]
@@ -117,8 +108,9 @@ def rank_main(rank, world_size, init_method, spec_kwargs, steps, window, interva
         "layer_move_mb": round(statistics.median(move_mb), 3) if moves else None,
         "staging_mb_per_s": round(sum(move_mb) / sum(move_s), 1) if moves else None,
         "memcpy_mb_per_s": round(memcpy_gb_per_s() * 1e3, 1),
-        "commit_ms_per_layer_p50": round(statistics.median(commit_steps) - statistics.median(steady_end), 3)
-        if commit_steps and steady_end else None,
+        # the main thread's host work of a step that committed a layer, over a steady step's
+        "commit_ms_per_layer_p50": round(statistics.median(commit_host) - statistics.median(steady_host), 3)
+        if commit_host and steady_host else None,
         "steady_p50_ms": round(statistics.median(steady), 3) if steady else None,
         "steady_p99_ms": round(percentile(steady, 99), 3) if steady else None,
         "rearranging_p50_ms": round(statistics.median(rearranging), 3) if rearranging else None,
@@ -129,20 +121,28 @@ def rank_main(rank, world_size, init_method, spec_kwargs, steps, window, interva
     }
 
 
-def check_arguments(args: argparse.Namespace, spec) -> None:
-    """Bad input stops here, before any rank process starts."""
-    for name in ("steps", "window", "interval"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"bench_movement: --{name} must be >= 1, got {getattr(args, name)}")
+def run_config(args: argparse.Namespace):
+    """The bench's model as a runtime config; bad input stops here, before any rank process starts."""
+    from eplb_graph.runtime.config import RunConfig
+
+    if args.steps < 1:
+        raise SystemExit(f"bench_movement: --steps must be >= 1, got {args.steps}")
+    cfg = RunConfig(
+        mode="eager", ranks=args.ranks, num_layers=args.layers, num_experts=args.experts, num_redundant=args.redundant,
+        hidden=args.hidden, expert_intermediate=args.intermediate, shared_expert_intermediate=0, top_k=2,
+        decode_tokens=args.tokens, capture_sizes=(args.tokens, 4 * args.tokens), prefill_tokens=args.tokens,
+        weight_format=args.format, window_size=args.window, step_interval=args.interval, drift_every=args.interval,
+        threads=1, check_outputs=False,
+    )
     try:
-        spec.validate(args.ranks)
+        cfg.validate()
     except ValueError as error:
         raise SystemExit(f"bench_movement: {error}") from None
+    return cfg
 
 
 def main() -> None:
-    from eplb_graph.ep_runtime import StackSpec
-    from eplb_graph.launch import run_ranks
+    from eplb_graph.runtime.launch import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
@@ -152,16 +152,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--redundant", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=16, help="tokens per rank per step")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per rank per decode step")
     parser.add_argument("--format", default="unquantized")
     parser.add_argument("--window", type=int, default=4)
     parser.add_argument("--interval", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("out/bench_movement.json"))
     args = parser.parse_args()
-    spec = dict(num_layers=args.layers, num_logical=args.experts, num_redundant=args.redundant, hidden=args.hidden,
-                intermediate=args.intermediate, top_k=2, tokens_per_rank=args.tokens, weight_format=args.format)
-    check_arguments(args, StackSpec(**spec))
-    results = run_ranks(rank_main, args.ranks, spec, args.steps, args.window, args.interval, timeout_s=600)
+    cfg = run_config(args)
+    results = run_ranks(rank_main, args.ranks, cfg, args.steps, timeout_s=600)
     ratios = [r["rearranging_p99_over_steady_p50"] for r in results]
     worst = None if None in ratios else max(ratios)  # None: a rank had no rearranging or no steady step
     report = {

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eplb_graph.layer_lookup import check_expert_layout
+from eplb_graph.placement import check_expert_layout
 
 # logical+redundant experts x EP ranks: the default job's model on one and two ranks; DeepSeek-V3
 # with 32 redundant experts on one 8-GPU node and on 32 ranks.
@@ -87,7 +87,7 @@ def placement_pairs(num_logical: int, num_redundant: int, count: int, seed: int)
 def bench_shape(num_logical: int, num_redundant: int, ranks: int, rounds: int) -> dict:
     from vllm.distributed.eplb import rebalance_execute
 
-    from eplb_graph.upstream_compat import UpstreamCapabilityAdapter
+    from eplb_graph.upstream.capability import UpstreamCapabilityAdapter
 
     num_local = (num_logical + num_redundant) // ranks
     adapter = UpstreamCapabilityAdapter(torch.device("cpu"), commit_hook=lambda model_state, layer: None)

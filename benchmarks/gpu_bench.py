@@ -48,9 +48,9 @@ VLLM_FREE_TEST_FILES = [
     "tests/custom_ops/test_routing_ops.py",
     "tests/eplb_graph/test_layer_lookup.py",
     "tests/eplb_graph/test_graph_capture.py",
-    "tests/eplb_graph/test_bench_data_plane.py",
+    "tests/bench/test_data_plane.py",
 ]
-RUNTIME_TEST_FILES = ["tests/eplb_graph/test_runtime.py"]  # multi-rank runs: upstream's EPLB
+RUNTIME_TEST_FILES = ["tests/runtime/test_rank.py"]  # multi-rank runs: upstream's EPLB
 LARGE_SHAPE = ["--experts", "256", "--redundant", "32", "--top-k", "8", "--hidden", "1024", "--intermediate", "512"]
 SECOND_CALL = ("bench_data_plane_large", "bench_large")  # run only when --only names them
 DEFAULT_BUDGET_S = 420  # the stage timeouts below add up to it; the device call's timeout_s is 480
@@ -93,7 +93,7 @@ def use_carry(carry: Path) -> dict:
 def vllm_problem() -> str | None:
     """Why upstream's EPLB control plane cannot be used here, or None. vLLM's import would make
     every later compile serial (here and in each stage): the compile threads are kept."""
-    from eplb_graph.expert_parallel import inductor_compile_threads_kept
+    from eplb_graph.runtime.groups import inductor_compile_threads_kept
 
     try:
         with inductor_compile_threads_kept():
@@ -166,7 +166,7 @@ def plan(out: Path, ranks: int, without_vllm: str | None, *, dry_run: bool = Fal
     """Every stage in order; ``without_vllm``: why vLLM is missing (its stages are skipped).
     ``dry_run``: each CUDA stage's host equivalent, and ``run`` made to time out."""
     device, graph = ("cpu", "compiled") if dry_run else ("cuda", "graph")
-    cli = [sys.executable, "-m", "eplb_graph.cli"]
+    cli = [sys.executable, "-m", "eplb_graph.runtime.cli"]
     pytest = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k",
               "not cuda" if dry_run else "cuda"]
     needs_vllm = None if without_vllm is None else f"needs vLLM: {without_vllm}"
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     for stage in stages:
         runner.run(stage)
 
-    from eplb_graph.bench import format_table
+    from eplb_graph.bench.table import format_table
 
     for name in ("bench", "bench_data_plane"):  # the full bench, or without vLLM the data-plane one
         bench = runner.stages[name].get("json")

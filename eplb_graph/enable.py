@@ -22,15 +22,8 @@ import torch
 from torch import fx, nn
 
 from eplb_graph.adapters import DEFAULT_ADAPTERS, MoEAdapter, MoELayerSpec, find_moe_layers
-from eplb_graph.layer_lookup import (
-    BatchFlags,
-    LayerLookup,
-    RoutedLayer,
-    batch_in_load_phase,
-    check_load_phase,
-    initial_placement,
-    validate_placement,
-)
+from eplb_graph.layer_lookup import BatchFlags, LayerLookup, RoutedLayer, batch_in_load_phase, check_load_phase
+from eplb_graph.placement import initial_placement, validate_placement
 from eplb_graph.passes.inductor_pass import EplbPostGradPass, torchair_backend, vllm_inductor_pass
 from eplb_graph.passes.insert_routing import RoutingPassResult, insert_eplb_routing
 from eplb_graph.passes.router_sites import RouterBinding

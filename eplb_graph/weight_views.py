@@ -15,8 +15,9 @@ Two kernels, both with static shapes (capture needs them), picked by ``expert_id
             weights, which is what makes width expensive
     dense   (no ids) every local expert on every token as batched GEMMs, [N, H] -> [E, N, H],
             the caller picking the rows its routing chose: each expert's weights read once,
-            13x (width 64) to 40x (width 512) faster here, but work grows with the local
-            slots, so redundant experts cost compute a fused kernel would not spend
+            much faster at width (``eplb-graph bench --expert-kernel dense``), but work grows
+            with the local slots, so redundant experts cost compute a fused kernel would not
+            spend
 
 Each is exact against itself across batches: a pair's matvec does not depend on how many
 pairs run beside it, nor a GEMM row on how many rows (from 2 pairs and 4 rows; smaller
@@ -44,10 +45,10 @@ class ExpertWeights(nn.Module):
     format_name = "base"
     view_names: tuple[str, ...] = ()
     # How far this format's output may move when the same math runs in another order
-    # (Inductor's fused kernels against the eager reference). Float32 moves ~1e-7; a
-    # quantized format turns that into a whole quantization step wherever a value sits on a
-    # rounding boundary (measured max 1.9e-4 over 1100 steps), while a lost weight move
-    # moves it by ~5e-2.
+    # (Inductor's fused kernels against the eager reference): float32 rounding, or, in a
+    # quantized format, a whole quantization step wherever a value sits on a rounding
+    # boundary; a lost weight move moves it by orders of magnitude more (the runtime's
+    # tests, tests/runtime/test_rank.py, hold both).
     output_tolerance: float = 1e-5
 
     @property
@@ -81,9 +82,9 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # The host's BLAS takes other paths for small batches, whose sums round differently, so a
-# token's output would depend on its batch's size; smaller batches are padded (measured: a
-# GEMM's rows equal for every M from 4 to 128, not for 1-3; a bmm's matvecs for every batch
-# from 2, not for 1).
+# token's output would depend on its batch's size; smaller batches are padded (a GEMM's rows
+# agree from 4 rows up, a bmm's matvecs from a batch of 2; checked in tests/eplb_graph/
+# test_weight_views.py).
 MIN_GEMM_ROWS = 4
 MIN_BMM_BATCH = 2
 

@@ -36,12 +36,22 @@ class ReferenceMoEConfig:
 
 
 class TopKRouter(nn.Module):
+    """linear -> softmax -> top-k -> (renormalise); returns (weights, logical ids)."""
+
     def __init__(self, config: ReferenceMoEConfig) -> None:
         super().__init__()
         self.top_k = config.top_k
         self.num_experts = config.num_experts
         self.norm_topk_prob = config.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, top_k: int) -> TopKRouter:
+        """A renormalising router over ``weight`` [E, H] itself (the EP layers' replicated gate)."""
+        num_experts, hidden_size = weight.shape
+        router = cls(ReferenceMoEConfig(hidden_size=hidden_size, num_heads=1, num_experts=num_experts, top_k=top_k))
+        router.weight = nn.Parameter(weight, requires_grad=False)
+        return router
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x: [T, H]
         probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)  # [T, E]

@@ -91,12 +91,12 @@ class VllmMoELayer(RoutedLayer):
         """Op calls the host saw (eager and CPU graphs; a replayed device graph adds none)."""
         return LAYER_TABLES.calls(self.key)
 
-    def refresh_from_upstream_(self, committed_placement: torch.Tensor) -> bool:
-        """Routes by upstream's committed placement from now on. Returns whether it changed."""
-        before = self.tables.physical_to_logical.clone()
-        self.tables.refresh_(committed_placement)
+    def commit_placement_(self, placement: torch.Tensor) -> bool:
+        """Routes by upstream's committed placement from now on, checked equal to upstream's
+        own maps; returns whether it changed."""
+        changed = super().commit_placement_(placement)
         self.check_agrees_with_upstream()
-        return not torch.equal(before, self.tables.physical_to_logical)
+        return changed
 
     def check_agrees_with_upstream(self) -> None:
         """Our [L, R] lookup equals the first R columns of upstream's map; the rest is padding."""

@@ -1,7 +1,7 @@
 """Attaching eplb-graph to vLLM's model runners, without importing a runner ourselves.
 
 ``VllmEplbWorker`` must bind the MoE layers right after a runner's ``load_model``. The runner
-classes live in heavy modules (the GPU runner module alone costs ~1.4 s to import) that the
+classes live in heavy modules (the GPU runner module alone takes seconds to import) that the
 frontend process never needs, and the plugin loads in every vLLM process: importing them at
 plugin load would slow every engine start, EPLB on or off. So the plugin wraps
 ``load_model`` of each runner class when vLLM itself imports the class's module (or at once,

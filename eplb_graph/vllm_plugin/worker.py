@@ -5,9 +5,10 @@ forward, ``eplb_step`` after). This object only connects the boundaries:
 
 * on a platform where upstream's runner builds no ``EplbState`` (the CPU model runner),
   it builds one exactly as the GPU runner does (``add_model``, then the async loop);
-* the capability adapter lets the async worker run without device events or streams and
-  calls ``_after_commit`` between upstream's commit of a layer and its acknowledgement,
-  so our lookups never route by an uncommitted placement (invariants 3, 6);
+* ``UpstreamBinding`` (the same one our runtime's controller uses) installs the capability
+  adapter, checks each policy placement, and refreshes our lookups between upstream's commit
+  of a layer and its acknowledgement, so they never route by an uncommitted placement
+  (invariants 3, 6);
 * every MoE layer becomes a ``VllmMoELayer`` mapped by exactly one mechanism;
 * ``verify_mapping`` checks after warm-up that each layer was routed by its mechanism;
 * a dead async worker is raised on the runner's next EPLB step instead of silently
@@ -16,12 +17,9 @@ forward, ``eplb_step`` after). This object only connects the boundaries:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from eplb_graph.layer_lookup import validate_layer_placements
-from eplb_graph.upstream_compat import UpstreamCapabilityAdapter, ends_rearrangement
+from eplb_graph.upstream.binding import UpstreamBinding
 
 from . import router_adapter
 from .layers import GRAPH_PASS, ROUTER_ADAPTER, VllmMoELayer
@@ -29,13 +27,6 @@ from .layers import GRAPH_PASS, ROUTER_ADAPTER, VllmMoELayer
 
 class EplbMappingError(RuntimeError):
     """A layer is routed by no mechanism, or by two."""
-
-
-@dataclass
-class WorkerStats:
-    layers_committed: int = 0
-    rearrangements_committed: int = 0  # commits of a model's last layer (or of all layers at once)
-    placement_changes: int = 0  # layer commits that changed the layer's placement
 
 
 def compiled_roots(model: torch.nn.Module) -> list[str]:
@@ -75,13 +66,8 @@ class VllmEplbWorker:
         from vllm.model_executor.models.interfaces import get_mixture_of_experts_model
 
         self.runner = runner
-        self.stats = WorkerStats()
-        self.layers_by_model: dict[int, list[VllmMoELayer]] = {}
         parallel_config = runner.parallel_config
-        # Installed before EplbState exists: it constructs events and starts the worker.
-        self.compat = UpstreamCapabilityAdapter(
-            torch.device(runner.device), commit_hook=self._after_commit, placement_check=self._check_placements
-        ).install()
+        self.binding = UpstreamBinding(runner.device)  # before EplbState: it constructs events and starts the worker
         self.built_upstream_state = runner.eplb_state is None
         if self.built_upstream_state:
             moe_model = get_mixture_of_experts_model(runner.model)
@@ -112,30 +98,18 @@ class VllmEplbWorker:
                 if mapped_by == ROUTER_ADAPTER:
                     router_adapter.bind_router(moe_runner.router, layer.key)
                 layers.append(layer)
-            self.layers_by_model[id(model)] = layers
+            self.binding.bind(model, layers)
         self._wrap_runner_steps()
         if self.built_upstream_state and runner.eplb_state.is_async:
             runner.eplb_state.start_async_loop()
 
     @property
     def layers(self) -> list[VllmMoELayer]:
-        return [layer for layers in self.layers_by_model.values() for layer in layers]
+        return self.binding.layers
 
-    # -- upstream hooks ---------------------------------------------------------------
-
-    def _check_placements(self, placements: torch.Tensor) -> None:
-        validate_layer_placements(placements, [layer.tables for layer in self.layers])
-
-    def _after_commit(self, model_state, layer_index: int | None) -> None:
-        layers = self.layers_by_model.get(id(model_state.model), [])
-        committed = model_state.physical_to_logical_map.cpu()  # upstream's placement is the truth
-        indices = range(len(layers)) if layer_index is None else [layer_index]
-        for index in indices:
-            if layers[index].refresh_from_upstream_(committed[index]):
-                self.stats.placement_changes += 1
-            self.stats.layers_committed += 1
-        if ends_rearrangement(model_state, layer_index):
-            self.stats.rearrangements_committed += 1
+    @property
+    def stats(self):
+        return self.binding.stats
 
     # -- runner integration -------------------------------------------------------------
 
@@ -160,7 +134,7 @@ class VllmEplbWorker:
             runner.warming_up_model = warming_up_model
 
     def check_worker(self) -> None:
-        self.compat.health.raise_if_dead(f"of vLLM runner on {self.runner.device}")
+        self.binding.check_worker(f"of vLLM runner on {self.runner.device}")
 
     def verify_mapping(self, *, require_calls: bool) -> dict[str, str]:
         """Each layer is routed by exactly its mechanism; returns {layer: mechanism}."""
@@ -183,10 +157,10 @@ class VllmEplbWorker:
         return {
             "layers": {layer.key: layer.summary() for layer in self.layers},
             "layers_committed": self.stats.layers_committed,
-            "rearrangements_committed": self.stats.rearrangements_committed,
+            "rearrangements_committed": self.stats.rearrangements_finished,
             "placement_changes": self.stats.placement_changes,
-            "rejected_placements": list(self.compat.health.rejected_placements),
-            "worker_error": None if self.compat.health.error is None else repr(self.compat.health.error),
+            "rejected_placements": list(self.binding.rejected_placements),
+            "worker_error": None if self.binding.worker_error is None else repr(self.binding.worker_error),
             "built_upstream_state": self.built_upstream_state,
             # tokens per physical expert upstream holds in its window (what the policy sees)
             "load_window_total": sum(int(s.expert_load_window.sum()) for s in self.runner.eplb_state.model_states.values()),

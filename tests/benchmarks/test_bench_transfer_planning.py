@@ -29,8 +29,8 @@ def test_both_plans_post_the_same_transfers_and_are_timed():
 
 def test_a_different_plan_is_caught(monkeypatch):
     pytest.importorskip("vllm.distributed.eplb.rebalance_execute")
-    from eplb_graph import upstream_compat
-    from eplb_graph.transfer_peers import ranks_with_experts
+    from eplb_graph.upstream import capability as upstream_compat
+    from eplb_graph.upstream.transfer_peers import ranks_with_experts
 
     def no_receivers(expert_ids, num_local_experts, old_indices, new_indices):
         send, recv = ranks_with_experts(expert_ids, num_local_experts, old_indices, new_indices)

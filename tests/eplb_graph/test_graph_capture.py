@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from eplb_graph.graph_capture import CapturedForward, CudaGraph, device_graph_factory
-from eplb_graph.layer_lookup import initial_placement
-from eplb_graph.runner import RunConfig, build_rank_models, graph_tensor_reader
-from eplb_graph.workload import make_batch
+from eplb_graph.placement import initial_placement
+from eplb_graph.runtime.compile import graph_tensor_reader
+from eplb_graph.runtime.config import RunConfig
+from eplb_graph.runtime.stack import build_rank_models
+from eplb_graph.runtime.workload import make_batch
 from tests.markers import requires_cuda
 
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from eplb_graph.cli import main
+from eplb_graph.runtime.cli import main
 
 
 def test_inspect_json_reports_every_router(capsys):

@@ -34,7 +34,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eplb_graph.vllm_plugin.tiny_model import write_tiny_qwen3_moe_checkpoint
+    from tiny_model import write_tiny_qwen3_moe_checkpoint  # beside this script, which runs as __main__
 
     model_dir = write_tiny_qwen3_moe_checkpoint(tempfile.mkdtemp(prefix="eplb-graph-qwen3moe-"))
     kwargs = dict(

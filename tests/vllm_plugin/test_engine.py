@@ -5,7 +5,7 @@ random-weight Qwen3-MoE with 8 experts, top-2, 4 redundant slots, window 4, inte
 Expert parallel over 2 processes is not used: vLLM's CPU fused-MoE kernel ignores the
 expert map and crashes under EP > 1 (the config gate refuses it, see test_config_gate.py),
 so placement changes here move experts between slots of one process; cross-process
-movement is proven by our own runtime's tests (tests/eplb_graph/test_movement.py).
+movement is proven by our own runtime's tests (tests/runtime/test_controller.py).
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def test_compiled_eplb_rearranges_during_generation_with_the_graph_pass(runs):
     eplb = runs["compiled_on"]["eplb"]
     assert runs["compiled_on"]["enable_eplb"] and eplb["built_upstream_state"]
     assert eplb["rearrangements_committed"] >= 3
-    assert eplb["layers_committed"] == 2 * eplb["rearrangements_committed"]
+    # 2 layers per rearrangement; generation may end with one in flight, its first layer committed
+    assert 2 * eplb["rearrangements_committed"] <= eplb["layers_committed"] <= 2 * eplb["rearrangements_committed"] + 1
     assert eplb["worker_error"] is None and eplb["rejected_placements"] == []
     for key, layer in eplb["layers"].items():
         assert layer["mapped_by"] == "graph_pass", key

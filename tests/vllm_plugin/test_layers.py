@@ -12,7 +12,7 @@ pytest.importorskip("vllm")
 from vllm.distributed.eplb.eplb_state import EplbLayerState  # noqa: E402
 from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter  # noqa: E402
 
-from eplb_graph.layer_lookup import build_lookup  # noqa: E402
+from eplb_graph.placement import build_lookup  # noqa: E402
 from eplb_graph.vllm_plugin import router_adapter  # noqa: E402
 from eplb_graph.vllm_plugin.layers import (  # noqa: E402
     GRAPH_PASS,
@@ -70,16 +70,16 @@ def test_refresh_follows_upstreams_commit_and_agrees_with_its_maps():
     runner.eplb_state.logical_to_physical_map.copy_(upstream_tables(new)[0])  # upstream commits in place
     runner.eplb_state.logical_replica_count.copy_(upstream_tables(new)[1])
     lookup_before = layer.lookup.data_ptr()
-    assert layer.refresh_from_upstream_(torch.tensor(new)) is True
+    assert layer.commit_placement_(torch.tensor(new)) is True
     assert layer.tables.physical_to_logical.tolist() == new and layer.lookup.data_ptr() == lookup_before
-    assert layer.refresh_from_upstream_(torch.tensor(new)) is False  # same placement: no change
+    assert layer.commit_placement_(torch.tensor(new)) is False  # same placement: no change
     layer.close()
 
 
 def test_divergence_from_upstream_is_an_error_naming_the_layer():
     layer, runner = make_layer("t.diverge", [0, 1, 2, 3, 0, 1])
     with pytest.raises(EplbStateDivergedError, match="t.diverge: our lookup and upstream's EplbLayerState disagree"):
-        layer.refresh_from_upstream_(torch.tensor([3, 1, 2, 0, 3, 3]))  # upstream did not commit this
+        layer.commit_placement_(torch.tensor([3, 1, 2, 0, 3, 3]))  # upstream did not commit this
     layer.close()
 
 

@@ -1,0 +1,103 @@
+"""The one binding between our layers and upstream vLLM's ``EplbState``.
+
+Upstream owns the placement (invariant 1), the window, the policy and the async worker; this
+object owns only the boundaries, the same for our runtime's controller and for the vLLM
+plugin's worker:
+
+* it installs the capability adapter before the caller builds ``EplbState`` (which constructs
+  events and starts the worker), and takes it back on ``close``;
+* each placement upstream's policy returns is checked against the bound layers' tables before
+  any byte moves; an invalid one is replaced by the current placement and reported;
+* at each of upstream's commit points, every committed layer routes by upstream's committed
+  placement from then on (``commit_placement_``), after upstream commits it and before it
+  acknowledges the staging buffer (invariants 3 and 6);
+* it counts what committed, and surfaces a dead async worker (upstream's only logs it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from eplb_graph.layer_lookup import LayerLookup
+from eplb_graph.placement import validate_layer_placements
+from eplb_graph.upstream.capability import UpstreamCapabilityAdapter, ends_rearrangement
+
+
+class BoundLayer(Protocol):
+    """A layer upstream commits placements to (``RoutedLayer`` and its subclasses)."""
+
+    tables: LayerLookup
+
+    def commit_placement_(self, placement: torch.Tensor) -> bool:
+        """Routes by upstream's committed placement [num_physical] from now on; returns whether it changed."""
+        ...
+
+
+@dataclass
+class BindingStats:
+    layers_committed: int = 0
+    placement_changes: int = 0  # layer commits that changed the layer's placement
+    rearrangements_started: int = 0  # kept by the caller, which sees upstream's state between steps
+    rearrangements_finished: int = 0  # commits of a model's last layer (or of all layers at once)
+
+
+class UpstreamBinding:
+    """Our layers under upstream's EPLB state machine, for one process (see the module docstring)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.stats = BindingStats()
+        self._layers: dict[int, list[BoundLayer]] = {}  # id(upstream model) -> its layers, upstream's order
+        self.adapter = UpstreamCapabilityAdapter(
+            torch.device(device), commit_hook=self._after_commit, placement_check=self._check_placements
+        ).install()
+
+    def bind(self, upstream_model: object, layers: list[BoundLayer]) -> None:
+        """``layers`` route upstream's MoE layers of ``upstream_model`` (what ``add_model`` got), in its order."""
+        self._layers[id(upstream_model)] = list(layers)
+
+    @property
+    def layers(self) -> list[BoundLayer]:
+        return [layer for layers in self._layers.values() for layer in layers]
+
+    def layers_of(self, model_state) -> list[BoundLayer]:
+        layers = self._layers.get(id(model_state.model))
+        if layers is None:
+            raise RuntimeError(f"upstream committed a placement for a model eplb-graph did not bind "
+                               f"({type(model_state.model).__name__})")
+        return layers
+
+    # -- upstream's hooks (the capability adapter calls them) ------------------------------
+
+    def _check_placements(self, model_state, placements: torch.Tensor) -> None:
+        validate_layer_placements(placements, [layer.tables for layer in self.layers_of(model_state)])
+
+    def _after_commit(self, model_state, layer_index: int | None) -> None:
+        layers = self.layers_of(model_state)
+        committed = model_state.physical_to_logical_map.cpu()  # [L, num_physical]: upstream's is the truth
+        for index in range(len(layers)) if layer_index is None else [layer_index]:
+            self.stats.placement_changes += layers[index].commit_placement_(committed[index])
+            self.stats.layers_committed += 1
+        # counted here, not from upstream's flag between steps: one step() can finish a
+        # rearrangement and start the next
+        if ends_rearrangement(model_state, layer_index):
+            self.stats.rearrangements_finished += 1
+
+    # -- health ----------------------------------------------------------------------------
+
+    @property
+    def worker_error(self) -> BaseException | None:
+        return self.adapter.health.error
+
+    @property
+    def rejected_placements(self) -> list[str]:
+        return self.adapter.health.rejected_placements
+
+    def check_worker(self, where: str) -> None:
+        """Raises ``EplbWorkerError`` on the main thread if upstream's async worker died."""
+        self.adapter.health.raise_if_dead(where)
+
+    def close(self) -> None:
+        self.adapter.uninstall()

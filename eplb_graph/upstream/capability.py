@@ -1,0 +1,279 @@
+"""Capability adapter: lets upstream vLLM's async EPLB run where it does not today (CPU, NPU).
+
+Upstream's control plane assumes a device with events and streams: ``CpuGpuEvent``
+records a ``torch.Event``, the async worker makes a ``torch.Stream`` on
+``torch.accelerator``'s device, and ``device_stream`` switches accelerator streams. On the
+CPU platform none of these exist, and ``ParallelConfig`` refuses ``enable_eplb``.
+And on every platform, each layer commit inverts the new placement on the main thread with
+``compute_logical_maps``, a Python loop over the physical slots: a stall between two graph
+replays at every layer commit that grows with the expert count (``bench_commit.py``).
+
+Each gap is one named patch of the name *where upstream imports it*, never a rewrite of
+upstream logic; each target is asserted to exist first, so an upstream refactor fails
+loudly instead of silently bypassing the adapter. The patches are idempotent and
+reversible (``uninstall``). Two patches swap an upstream function for a faster one with the
+same contract (vectorized; equal outputs are tested against upstream's on every input
+class): ``compute_logical_maps`` for ``layer_lookup.logical_maps`` on the main thread, and
+the worker's per-layer transfer planning, ``get_ep_ranks_with_experts_batch``, for
+``transfer_peers.ranks_with_experts`` (the worker shares the main thread's GIL). Two hooks
+are ours rather than gaps:
+
+* ``commit_hook``: called after upstream commits a layer's placement and *before* it
+  acknowledges the staging buffer to the worker (invariants 3 and 6), and after a
+  synchronous commit of all layers;
+* ``placement_check``: called with the model's state and the worker's policy output before
+  any byte moves; an invalid placement is replaced by the current one (a no-op move) and
+  reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from eplb_graph.placement import logical_maps
+from eplb_graph.upstream.transfer_peers import ranks_with_experts
+
+
+class HostEvent:
+    """``CpuGpuEvent`` for devices without events: the threading half alone.
+
+    Same contract: one producer calls record(), one consumer wait()s; record() before
+    the previous wait() consumed it is an error.
+    """
+
+    def __init__(self) -> None:
+        self._recorded = threading.Event()
+
+    def wait(self, stream=None, timeout: float | None = None) -> bool:
+        done = self._recorded.wait(timeout)
+        if done:
+            self._recorded.clear()
+        return done
+
+    def record(self, stream=None) -> None:
+        if self._recorded.is_set():
+            raise RuntimeError("HostEvent.record() called before the previous event was consumed by wait()")
+        self._recorded.set()
+
+
+class HostStream:
+    """The worker's "stream" on a host device: work is synchronous, so synchronize() is free."""
+
+    def synchronize(self) -> None:
+        return None
+
+
+class HostTimingEvent:
+    """``torch.Event(enable_timing=True)`` on a host: wall-clock marks, nothing to wait for."""
+
+    def __init__(self, enable_timing: bool = False, **_ignored) -> None:
+        self._at: float | None = None
+
+    def record(self, stream=None) -> None:
+        self._at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: HostTimingEvent) -> float:
+        if self._at is None or end._at is None:
+            raise RuntimeError("elapsed_time() needs both events recorded")
+        return (end._at - self._at) * 1000.0  # milliseconds, like a device event
+
+
+class TorchWithHostEvents:
+    """``torch`` as ``eplb_state`` sees it on a host device: torch itself, except ``Event``.
+
+    ``EplbState.rearrange`` times itself with ``torch.Event(enable_timing=True)`` (rank 0,
+    synchronous or profile rearrangements); the CPU platform has no such event.
+    """
+
+    Event = HostTimingEvent
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def host_device_stream(stream):
+    """``device_stream`` that tolerates host streams (and None) and defers to upstream otherwise."""
+    if stream is None or isinstance(stream, HostStream):
+        yield
+        return
+    prev = torch.accelerator.current_stream()
+    torch.accelerator.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.accelerator.set_stream(prev)
+
+
+class EplbWorkerError(RuntimeError):
+    """The async EPLB worker died; EPLB would otherwise be silently off from here on."""
+
+
+@dataclass
+class WorkerHealth:
+    """What the async worker thread left behind: upstream's worker logs and exits silently."""
+
+    error: BaseException | None = None
+    traceback: str = ""
+    rejected_placements: list[str] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None
+
+    def raise_if_dead(self, where: str) -> None:
+        """Surfaces a dead worker on the main thread; ``where`` names the rank or runner."""
+        if self.error is not None:
+            raise EplbWorkerError(
+                f"async EPLB worker {where} died: {self.error!r}; the last committed placement stays in force\n"
+                f"{self.traceback}"
+            ) from self.error
+
+
+@dataclass
+class _Patch:
+    module: object
+    name: str
+    original: object
+    replacement: object
+
+
+def ends_rearrangement(model_state, layer_index: int | None) -> bool:
+    """Whether a commit (``commit_hook``'s arguments) ends a rearrangement, by upstream's own
+    rule: the async path commits layers in order and ``_move_to_workspace`` ends the
+    rearrangement with the last MoE layer; the synchronous path commits all at once (None)."""
+    return layer_index is None or layer_index == model_state.model.num_moe_layers - 1
+
+
+class UpstreamCapabilityAdapter:
+    """Installs the narrow patches for one process; see the module docstring."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        commit_hook: Callable[[object, int | None], None],
+        placement_check: Callable[[object, torch.Tensor], None] | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.commit_hook = commit_hook
+        self.placement_check = placement_check
+        self.health = WorkerHealth()
+        self._patches: list[_Patch] = []
+
+    @property
+    def host_device(self) -> bool:
+        """No device events or streams: CPU (and any backend torch.accelerator does not know)."""
+        return self.device.type == "cpu"
+
+    # -- installation ------------------------------------------------------------------
+
+    def _patch(self, module, name: str, replacement) -> None:
+        if not hasattr(module, name):
+            raise RuntimeError(
+                f"upstream vLLM no longer defines {module.__name__}.{name}; the EPLB capability "
+                f"adapter must be updated for this vLLM version"
+            )
+        if any(p.module is module and p.name == name for p in self._patches):
+            return  # idempotent
+        self._patches.append(_Patch(module, name, getattr(module, name), replacement))
+        setattr(module, name, replacement)
+
+    def install(self) -> UpstreamCapabilityAdapter:
+        from vllm.distributed.eplb import async_worker, eplb_communicator, eplb_state, rebalance_execute
+
+        if self.host_device:
+            # Events and streams: the names as each module imported them.
+            self._patch(eplb_state, "CpuGpuEvent", HostEvent)
+            self._patch(eplb_state, "torch", TorchWithHostEvents())
+            self._patch(async_worker, "CpuGpuEvent", HostEvent)
+            for module in (async_worker, rebalance_execute, eplb_communicator):
+                self._patch(module, "device_stream", host_device_stream)
+        # Worker start: a device index only cuda/xpu get, a stream on torch.accelerator,
+        # and an exception swallowed by a log line. Ours runs upstream's loop unchanged.
+        self._patch(eplb_state, "start_async_worker", self._start_async_worker)
+        # Commit points: refresh our lookups between upstream's commit and its ack.
+        self._patch(eplb_state, "_commit_eplb_maps_for_layer", self._commit_layer(eplb_state._commit_eplb_maps_for_layer))
+        self._patch(eplb_state, "_commit_eplb_maps", self._commit_all(eplb_state._commit_eplb_maps))
+        if self.placement_check is not None:
+            self._patch(async_worker, "run_rebalance_experts", self._checked_policy(async_worker.run_rebalance_experts))
+        # The placement inversion every commit runs on the main thread: same outputs, no Python loop.
+        self._patch(eplb_state, "compute_logical_maps", logical_maps)
+        # The worker's transfer planning, twice per layer: same outputs, no per-expert loop.
+        self._patch(rebalance_execute, "get_ep_ranks_with_experts_batch", ranks_with_experts)
+        # Read (not patched) by the controller to decide a batch's record flag on the host.
+        if not hasattr(eplb_state.EplbState, "_should_record_current_step"):
+            raise RuntimeError("upstream vLLM no longer defines EplbState._should_record_current_step; "
+                               "the EPLB controller adapter must be updated for this vLLM version")
+        return self
+
+    def uninstall(self) -> None:
+        for patch in reversed(self._patches):
+            setattr(patch.module, patch.name, patch.original)
+        self._patches.clear()
+
+    @property
+    def installed(self) -> list[str]:
+        return [f"{p.module.__name__.rsplit('.', 1)[-1]}.{p.name}" for p in self._patches]
+
+    # -- the replacements ----------------------------------------------------------------
+
+    def _commit_layer(self, upstream_commit):
+        def commit_eplb_maps_for_layer(model_state, new_physical_to_logical_map, layer):
+            upstream_commit(model_state, new_physical_to_logical_map=new_physical_to_logical_map, layer=layer)
+            self.commit_hook(model_state, layer)
+
+        return commit_eplb_maps_for_layer
+
+    def _commit_all(self, upstream_commit):
+        def commit_eplb_maps(model_state, new_physical_to_logical_map):
+            upstream_commit(model_state, new_physical_to_logical_map=new_physical_to_logical_map)
+            self.commit_hook(model_state, None)
+
+        return commit_eplb_maps
+
+    def _checked_policy(self, upstream_policy):
+        def run_rebalance_experts(model_state, eplb_state, physical_to_logical_map_cpu, stream):
+            proposed = upstream_policy(model_state, eplb_state, physical_to_logical_map_cpu, stream)
+            try:
+                self.placement_check(model_state, proposed)
+            except ValueError as error:
+                # Rejected before any byte moves: transfer the current placement (a no-op).
+                self.health.rejected_placements.append(str(error))
+                return physical_to_logical_map_cpu.clone()
+            return proposed
+
+        return run_rebalance_experts
+
+    def _start_async_worker(self, state, is_profile: bool = False) -> threading.Thread:
+        from vllm.distributed.eplb import async_worker
+
+        health = self.health
+        device = self.device
+
+        def run() -> None:
+            try:
+                if device.type == "cpu":
+                    stream = HostStream()
+                else:
+                    if device.index is not None:
+                        torch.accelerator.set_device_index(device.index)
+                    stream = torch.Stream(device=torch.accelerator.current_accelerator())
+                async_worker.transfer_run_periodically(state=state, stream=stream, is_profile=is_profile)
+            except BaseException as error:  # surfaced on the main thread by check_worker()
+                health.error = error
+                health.traceback = traceback.format_exc()
+
+        thread = threading.Thread(target=run, name="eplb-async-worker", daemon=True)
+        thread.start()
+        return thread

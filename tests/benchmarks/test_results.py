@@ -1,0 +1,44 @@
+"""benchmarks/results.py: RESULTS.md and the README's table are exactly what the JSON records say."""
+
+import json
+import shutil
+
+from tests.benchmarks.scripts import load_benchmark
+
+results = load_benchmark("results")
+
+
+def test_results_md_and_the_readme_table_are_what_the_records_say(capsys):
+    assert results.main(["render", "--check"]) == 0, capsys.readouterr().err
+
+
+def test_every_benchmark_of_the_newest_record_has_its_section_and_figures():
+    (date, record), *_ = results.records()
+    text = results.RESULTS_MD.read_text()
+    for name in results.FILES:
+        if name in record:
+            assert results.TITLES[name] in text, name
+    run = record["run"]
+    assert f"{run['balancedness_without_eplb']} -> {run['balancedness_after']}" in results.README.read_text()
+    assert f"## {date}:" in text
+
+
+def test_a_figure_edited_by_hand_is_caught(tmp_path, monkeypatch, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text(results.README.read_text().replace("| >= 0.95 |", "| >= 0.90 |"))
+    monkeypatch.setattr(results, "README", readme)
+    assert results.main(["render", "--check"]) == 1
+    assert f"{readme} is not what the records say" in capsys.readouterr().err
+
+
+def test_record_keeps_what_make_bench_wrote_with_its_meta(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    (out / "run").mkdir(parents=True)
+    newest = results.records()[0][1]
+    (out / "run" / "report.json").write_text(json.dumps(newest["run"]))
+    shutil.copyfile(results.RECORDS / results.records()[0][0] / "bench_routing_ops.json", out / "bench_routing_ops.json")
+    monkeypatch.setattr(results, "RECORDS", tmp_path / "records")
+    folder = results.record_run(out)
+    kept = results.load_record(folder)
+    assert kept["run"] == newest["run"] and "routing_ops" in kept and "bench" not in kept
+    assert {"date", "machine", "torch", "vllm", "commit"} <= set(kept["meta"])
