@@ -1,19 +1,20 @@
 """What the routing op costs per call inside a compiled CPU step, against what it costs alone.
 
-Called back to back ("hot") the op takes a few µs; inside a step it runs after the forward's
-own kernels have filled the CPU's caches, and costs a multiple of that. Each round runs one
+Called back to back ("hot") the op finds its code and tables in the CPU's caches; inside a step
+it runs after the forward's own kernels have filled them, and costs more. Each round runs one
 compiled EPLB-off forward of the default model, then times one call of each case right after
 it ("cold", what a step pays) and once more at once ("hot"):
 
-    routing_op   torch.ops.eplb_graph.map_and_record_layer on a live layer (what the pass
-                 inserts), on the CPU kernel that serves it here (the report's cpu_layer_kernel:
-                 C++ where it could be built)
-    python_op    the same op with the numba kernel behind a Python kernel (what serves it
-                 where C++ cannot be built)
-    passthrough  a custom op with a Python kernel that only allocates its output: the floor
-                 any Python-kernel op pays for the dispatcher's trip into Python
-    kernel       the numba kernel called directly (loop, table views; no dispatcher)
-    nothing      an empty Python call: the timer's own floor
+    routing_op    torch.ops.eplb_graph.map_and_record_layer on a live layer (what the pass
+                  inserts), on the CPU kernel that serves it here (the report's cpu_layer_kernel:
+                  native, the C++ kernel, where it could be built)
+    composite_op  the same op with the torch composite behind a Python kernel (what serves it
+                  where C++ cannot be built, or with EPLB_GRAPH_NATIVE_KERNEL=0)
+    passthrough   a custom op with a Python kernel that only allocates its output: the floor
+                  any Python-kernel op pays for the dispatcher's trip into Python
+    composite     the composite called directly on the layer's tables (its own aten ops, no
+                  trip into Python)
+    nothing       an empty Python call: the timer's own floor
 
     python benchmarks/bench_op_in_step.py --out out/bench_op_in_step.json
 """
@@ -33,15 +34,15 @@ import torch
 NAMESPACE = "eplb_graph_bench_floor"
 
 
-def register_comparison_ops(numba_layer_kernel) -> torch.library.Library:
-    """The routing op's schema twice: ``python_op`` over the numba kernel (the op's Python
-    kernel), ``passthrough`` whose kernel only allocates."""
+def register_comparison_ops(layer_kernel) -> torch.library.Library:
+    """The routing op's schema twice: ``composite_op`` over ``layer_kernel`` (behind the op's
+    Python kernel), ``passthrough`` whose kernel only allocates."""
     from eplb_graph.custom_ops.layer_routing import python_op_kernel
 
     lib = torch.library.Library(NAMESPACE, "DEF")
-    for name in ("python_op", "passthrough"):
+    for name in ("composite_op", "passthrough"):
         lib.define(f"{name}(Tensor topk_ids, str layer) -> Tensor")
-    lib.impl("python_op", python_op_kernel(numba_layer_kernel), "CPU")
+    lib.impl("composite_op", python_op_kernel(layer_kernel), "CPU")
     lib.impl("passthrough", lambda topk_ids, layer: torch.empty_like(topk_ids), "CPU")
     return lib
 
@@ -73,15 +74,15 @@ def main() -> int:
         raise SystemExit(f"bench_op_in_step: --rounds must be >= 1, got {args.rounds}")
 
     from eplb_graph.bench.harness import decode_batches
-    from eplb_graph.custom_ops import CPU_LAYER_KERNEL, LAYER_TABLES, cpu_routing
+    from eplb_graph.custom_ops import CPU_LAYER_KERNEL, LAYER_TABLES, layer_routing, routing
     from eplb_graph.runtime.compile import prepare_step
     from eplb_graph.runtime.config import RunConfig
     from eplb_graph.runtime.stack import build_rank_models
 
     torch.set_num_threads(1)  # the ranks' setting on this machine: one thread each
     cfg = RunConfig(ranks=1, mode="compiled", backend=args.backend)
-    kernel = cpu_routing.LayerMapAndRecord()
-    library = register_comparison_ops(kernel)  # held for the life of the registration
+    composite = layer_routing.on_tables(routing.map_and_record_composite)  # (ids, layer) -> physical ids
+    library = register_comparison_ops(composite)  # held for the life of the registration
     with torch.no_grad():
         off_cfg, on_cfg = dataclasses.replace(cfg, eplb=False), dataclasses.replace(cfg, eplb=True)
         off_model, _, _, off_flags = build_rank_models(off_cfg, 0, 1, None)
@@ -99,16 +100,16 @@ def main() -> int:
         layer = rank_layers[0]
         ids = torch.randint(0, cfg.num_experts, (cfg.decode_tokens, cfg.top_k))  # [T, K]
         routing_op = torch.ops.eplb_graph.map_and_record_layer.default
-        python_op = getattr(torch.ops, NAMESPACE).python_op.default
+        composite_op = getattr(torch.ops, NAMESPACE).composite_op.default
         passthrough = getattr(torch.ops, NAMESPACE).passthrough.default
         cases = {
             "routing_op": lambda: routing_op(ids, layer.key),
-            "python_op": lambda: python_op(ids, layer.key),
+            "composite_op": lambda: composite_op(ids, layer.key),
             "passthrough": lambda: passthrough(ids, layer.key),
-            "kernel": lambda: kernel(ids, LAYER_TABLES.resolve(layer.key)),
+            "composite": lambda: composite(ids, LAYER_TABLES.resolve(layer.key)),
             "nothing": lambda: None,
         }
-        for index in range(20):  # compile, numba's first call, warm-up
+        for index in range(20):  # compile, warm-up
             step(index)
             for case in cases.values():
                 case()
@@ -124,7 +125,8 @@ def main() -> int:
         "forward_p50_us": round(statistics.median(forward_us), 1),  # the compiled EPLB-off step the calls follow
         "calls": results,
         "routing_op_cold_over_hot": round(results["routing_op"]["cold_us"] / results["routing_op"]["hot_us"], 2),
-        "python_op_cold_over_routing_op_cold": round(results["python_op"]["cold_us"] / results["routing_op"]["cold_us"], 2),
+        "composite_op_cold_over_routing_op_cold": round(
+            results["composite_op"]["cold_us"] / results["routing_op"]["cold_us"], 2),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

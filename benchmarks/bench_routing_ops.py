@@ -1,6 +1,9 @@
 """Cost of the registered ``eplb_graph::map_and_record`` against the same math inline.
 
-The registered op and the inline composite are timed interleaved, round after round, in
+The registered op runs the kernel that serves the device: on the CPU the C++ kernel where it
+could be built, else the torch composite behind the dispatcher (the report's cpu_kernel:
+"native" or "composite"; EPLB_GRAPH_NATIVE_KERNEL=0 chooses the composite). The inline side is
+always the composite called from Python. Both are timed interleaved, round after round, in
 one process, so machine noise hits both alike; the figures are medians and the targets
 are ratios (registered / inline): <= 1.5 at T=16 and <= 1.1 at T=4096.
 
@@ -106,6 +109,7 @@ def main() -> None:
     report = {
         "benchmark": "map_and_record registered op vs inline torch composite (eager)",
         "device": args.device,
+        "cpu_kernel": eplb_graph.custom_ops.CPU_LAYER_KERNEL if args.device == "cpu" else None,
         "cuda_kernel": eplb_graph.custom_ops.CUDA_KERNEL if args.device == "cuda" else None,
         "torch": torch.__version__,
         "eplb_graph": getattr(eplb_graph, "__version__", "0.1.0"),
@@ -119,6 +123,7 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
+    print(f"the registered op runs the {report['cpu_kernel'] or report['cuda_kernel']} {args.device} kernel")
     print(f"{'T':>6} {'registered us':>14} {'inline us':>10} {'ratio':>6}  target")
     for r in results:
         target = f"<= {r['target_ratio']} {'ok' if r['meets_target'] else 'MISSED'}" if "target_ratio" in r else ""

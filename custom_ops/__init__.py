@@ -9,10 +9,9 @@
          see layer_routing.py)
 
 Kernels per dispatch key:
-  CPU          map_and_record_layer: C++ (csrc/layer_routing.cpp, built once per machine by
-               native_routing.py) where it can be built; the others, and map_and_record_layer
-               where C++ cannot be had: a numba loop (custom_ops/cpu_routing.py) where numba
-               imports, else the torch composite (custom_ops/routing.py)
+  CPU          C++ (csrc/routing.cpp, built once per machine by native_routing.py) where it can
+               be built, else the torch composite (custom_ops/routing.py); CPU_LAYER_KERNEL
+               says which
   CUDA         one Triton launch where Triton imports, else the torch composite (CUDA_KERNEL says which)
   PrivateUse1  torch composite (torch_npu implements the aten ops it uses); torch_npu is
                never imported here -- the registration is inert until an NPU backend exists
@@ -44,36 +43,9 @@ def _triton_kernels():
     return triton_routing, "triton"
 
 
-def _numba_available() -> bool:
-    return importlib.util.find_spec("numba") is not None
-
-
-def _on_first_call(module: str, name: str, *, construct: bool = False):
-    """A kernel whose module is imported at its first call, not at registration
-    (``construct``: the name is a class, and the kernel is an instance of it).
-
-    Importing numba pulls llvmlite into ``sys.modules``, and vLLM's CPU worker start scans
-    every module's globals (``triton_utils.dispatcher._rebind_kernels``) and fails on
-    llvmlite's slot-only ``_lib_fn_wrapper``; so the vLLM plugin, which registers these ops
-    in every vLLM process, must not import numba before the worker has started.
-    """
-    kernel = None
-
-    def call(*args):
-        nonlocal kernel
-        if kernel is None:
-            kernel = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-            if construct:
-                kernel = kernel()
-        return kernel(*args)
-
-    call.__name__ = name
-    return call
-
-
 def _register(lib: torch.library.Library) -> tuple[str, str]:
-    """Defines and implements the ops; returns which CPU kernel serves map_and_record_layer,
-    and which CUDA kernel serves the ops."""
+    """Defines and implements the ops; returns which kernel serves them on CPU ("native" or
+    "composite"), and which on CUDA."""
     lib.define(routing.MAP_TO_PHYSICAL_SCHEMA)
     lib.define(routing.RECORD_LOAD_SCHEMA)
     lib.define(routing.MAP_AND_RECORD_SCHEMA)
@@ -83,37 +55,29 @@ def _register(lib: torch.library.Library) -> tuple[str, str]:
         "record_load": routing.record_load_kernel,
         "map_and_record": routing.map_and_record_kernel,
     }
-    cpu, cpu_layer_kernel = dict(composite), layer_routing.on_tables(routing.map_and_record_composite)
-    cpu_layer_name = "composite"
-    if _numba_available():
-        cpu_layer_name = "numba"
-        cpu_map_and_record = _on_first_call("cpu_routing", "map_and_record_cpu")
-        cpu_layer_kernel = _on_first_call("cpu_routing", "LayerMapAndRecord", construct=True)
-        cpu["map_to_physical"] = routing.checked_map_to_physical(_on_first_call("cpu_routing", "map_to_physical_cpu"))
-        cpu["record_load"] = routing.checked_record_load(_on_first_call("cpu_routing", "record_load_cpu"))
-        cpu["map_and_record"] = routing.checked_map_and_record(cpu_map_and_record)
-    cuda, cuda_layer_kernel = dict(composite), layer_routing.on_tables(routing.map_and_record_composite)
+    composite_layer_kernel = layer_routing.on_tables(routing.map_and_record_composite)
+    cuda, cuda_layer_kernel = dict(composite), composite_layer_kernel
     triton_routing, cuda_kernel_name = _triton_kernels()
     if triton_routing is not None:
         cuda_layer_kernel = layer_routing.on_tables(triton_routing.map_and_record_cuda)
         cuda["map_to_physical"] = routing.checked_map_to_physical(triton_routing.map_to_physical_cuda)
         cuda["map_and_record"] = routing.checked_map_and_record(triton_routing.map_and_record_cuda)
 
-    for name in ("map_to_physical", "record_load", "map_and_record"):
-        lib.impl(name, cpu[name], "CPU")
+    native = native_routing.load_native_kernel()  # registers its own CPU kernels on load
+    for name in composite:
+        if native is None:
+            lib.impl(name, composite[name], "CPU")
         lib.impl(name, cuda[name], "CUDA")
         lib.impl(name, composite[name], "PrivateUse1")
 
     torch.library.register_fake(f"{NAMESPACE}::map_to_physical", routing.map_to_physical_fake, lib=lib)
     torch.library.register_fake(f"{NAMESPACE}::record_load", routing.record_load_fake, lib=lib)
     torch.library.register_fake(f"{NAMESPACE}::map_and_record", routing.map_and_record_fake, lib=lib)
-    native = native_routing.load_native_kernel()  # registers its own CPU kernel on load
-    if native is not None:
-        cpu_layer_kernel, cpu_layer_name = None, "native"
-    layer_routing.register(lib, cpu_layer_kernel, cuda_layer_kernel)
-    if native is not None:
-        LAYER_TABLES.attach_native(native)
-    return cpu_layer_name, cuda_kernel_name
+    layer_routing.register(lib, None if native is not None else composite_layer_kernel, cuda_layer_kernel)
+    if native is None:
+        return "composite", cuda_kernel_name
+    LAYER_TABLES.attach_native(native)
+    return "native", cuda_kernel_name
 
 
 def _already_registered() -> bool:
@@ -125,7 +89,7 @@ def _already_registered() -> bool:
 # The Library object owns the registrations: they live exactly as long as it does, so it
 # is held for the life of the process, like every torch.library fragment.
 _LIBRARY: torch.library.Library | None = None
-# "native" (C++), "numba" or "composite": what a CPU call of map_and_record_layer runs.
+# "native" (C++) or "composite": what a CPU call of the ops runs.
 CPU_LAYER_KERNEL = "registered by another copy of this module"
 # "triton", or "composite (why)": what a CUDA call of the ops runs.
 CUDA_KERNEL = "registered by another copy of this module"

@@ -1,15 +1,16 @@
-"""Builds and loads ``map_and_record_layer``'s C++ CPU kernel (csrc/layer_routing.cpp).
+"""Builds and loads the routing ops' C++ CPU kernels (csrc/routing.cpp).
 
-Why C++: the op runs once per MoE layer per forward, and a Python kernel costs ~26 µs a
-call right after a compiled forward, a third of it the dispatcher's trip into Python;
-the C++ kernel is reached from the dispatcher directly.
+Why C++: the ops run once per MoE layer per forward, and a Python kernel pays the
+dispatcher's trip into Python and the Python around its loop at every call; the C++
+kernels are reached from the dispatcher directly (benchmarks/bench_op_in_step.py measures
+the difference right after a compiled forward).
 
 Built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja) once per machine, into
 a directory named by a digest of the source, torch and Python, and afterwards loaded
 with ``torch.ops.load_library`` alone: a process that finds it built imports no build
 machinery (vLLM's workers load this package at start). Where it cannot be built the
-numba kernel serves (custom_ops/cpu_routing.py) and a warning says why;
-``EPLB_GRAPH_NATIVE_KERNEL=0`` chooses that kernel outright.
+torch composite (custom_ops/routing.py) serves every CPU op and a warning says why;
+``EPLB_GRAPH_NATIVE_KERNEL=0`` chooses the composite outright.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from pathlib import Path
 import torch
 
 LIBRARY_NAME = "eplb_graph_native"
-SOURCE = Path(__file__).parent / "csrc" / "layer_routing.cpp"
-SWITCH = "EPLB_GRAPH_NATIVE_KERNEL"  # "0": use the numba kernel
+SOURCE = Path(__file__).parent / "csrc" / "routing.cpp"
+SWITCH = "EPLB_GRAPH_NATIVE_KERNEL"  # "0": use the torch composite
 CACHE_DIR = "EPLB_GRAPH_CACHE_DIR"  # default: $XDG_CACHE_HOME/eplb_graph or ~/.cache/eplb_graph
 
 
@@ -69,7 +70,7 @@ def _build(directory: Path) -> None:
     from torch.utils import cpp_extension  # build machinery only when there is something to build
 
     directory.mkdir(parents=True, exist_ok=True)
-    print(f"eplb_graph: building the C++ routing kernel into {directory} (once per machine)", file=sys.stderr)
+    print(f"eplb_graph: building the C++ routing kernels into {directory} (once per machine)", file=sys.stderr)
     cpp_extension.load(
         name=LIBRARY_NAME, sources=[str(SOURCE)], build_directory=str(directory), is_python_module=False,
         extra_cflags=["-O3"], verbose=False,
@@ -77,8 +78,8 @@ def _build(directory: Path) -> None:
 
 
 def load_native_kernel() -> NativeLayerIndex | None:
-    """Loads (building first if needed) the C++ kernel, which registers itself as
-    ``map_and_record_layer``'s CPU kernel. None where it is switched off or cannot be had."""
+    """Loads (building first if needed) the C++ kernels, which register themselves as the CPU
+    kernels of all four routing ops. None where they are switched off or cannot be had."""
     if os.environ.get(SWITCH, "1") == "0":
         return None
     directory = build_directory()
@@ -88,12 +89,12 @@ def load_native_kernel() -> NativeLayerIndex | None:
             torch.ops.load_library(str(library))
         else:
             _build(directory)
-    except Exception as error:  # no compiler, no ninja, a read-only cache: the numba kernel serves
+    except Exception as error:  # no compiler, no ninja, a read-only cache: the composite serves
         last_line = (str(error).strip().splitlines() or [""])[-1]  # a build error's summary line
         warnings.warn(
-            f"eplb_graph: the C++ routing kernel could not be built or loaded ({type(error).__name__}: "
-            f"{last_line}); map_and_record_layer "
-            f"uses the numba kernel on CPU. Set {SWITCH}=0 to choose it without trying.",
+            f"eplb_graph: the C++ routing kernels could not be built or loaded ({type(error).__name__}: "
+            f"{last_line}); the torch composite serves the routing ops on CPU. "
+            f"Set {SWITCH}=0 to choose it without trying.",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -37,11 +37,12 @@ MAP_AND_RECORD_SCHEMA = (
 )
 
 _ID_DTYPES = (torch.int32, torch.int64)
+_FLAG_DTYPES = (torch.bool, torch.int32, torch.int64)
 
 
 def check_ids(topk_ids: torch.Tensor) -> None:
     """[T, K] int32/int64 ids. Rank and dtype are static even on fake tensors, so plain tests
-    serve the kernels and the fakes alike (``torch._check`` costs ~2 us each at run time)."""
+    serve the kernels and the fakes alike, and cost less at run time than ``torch._check``."""
     if topk_ids.dim() != 2:
         raise RuntimeError(f"topk_ids must be [T, K], got {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in _ID_DTYPES:
@@ -54,7 +55,8 @@ def check_routing_args(
     """Shape and dtype checks shared by the kernels and the fake implementations.
 
     They run at trace time under torch.compile, so a wrong call fails when the graph
-    is built, not at the first replay.
+    is built, not at the first replay. The C++ CPU kernels (csrc/routing.cpp) make the
+    same checks, in this order and with these messages.
     """
     check_ids(topk_ids)
     torch._check(lookup.dim() == 2, lambda: f"lookup must be [num_logical, max_replicas], got {tuple(lookup.shape)}")
@@ -72,7 +74,13 @@ def check_record_args(
     record_enabled: torch.Tensor,
     num_unpadded_tokens: torch.Tensor,
 ) -> None:
+    """Like check_routing_args, for the recording half. Ids and flags must be integers (the
+    record flag may be bool): every kernel then reads them alike, where a float one would
+    be truncated by one kernel and compared as a float by another."""
     torch._check(physical_ids.dim() == 2, lambda: f"physical_ids must be [T, K], got {tuple(physical_ids.shape)}")
+    torch._check(
+        physical_ids.dtype in _ID_DTYPES, lambda: f"physical_ids must be int32 or int64, got {physical_ids.dtype}"
+    )
     torch._check(load.dim() == 1, lambda: f"load must be [num_physical], got {tuple(load.shape)}")
     torch._check(load.is_contiguous(), lambda: "load must be contiguous")
     torch._check(
@@ -80,8 +88,16 @@ def check_record_args(
         lambda: f"record_enabled must be a 0-dim or 1-element tensor, got {tuple(record_enabled.shape)}",
     )
     torch._check(
+        record_enabled.dtype in _FLAG_DTYPES,
+        lambda: f"record_enabled must be bool, int32 or int64, got {record_enabled.dtype}",
+    )
+    torch._check(
         num_unpadded_tokens.numel() == 1,
         lambda: f"num_unpadded_tokens must be a 0-dim or 1-element tensor, got {tuple(num_unpadded_tokens.shape)}",
+    )
+    torch._check(
+        num_unpadded_tokens.dtype in _ID_DTYPES,
+        lambda: f"num_unpadded_tokens must be int32 or int64, got {num_unpadded_tokens.dtype}",
     )
 
 

@@ -185,7 +185,7 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
         "device": base.device,
         "expert_kernel": base.expert_kernel,
         "cpp_wrapper": base.cpp_wrapper,  # compiled mode: Inductor's wrapper in C++
-        "cpu_layer_kernel": CPU_LAYER_KERNEL,  # what serves the routing op on the host: native (C++) or numba
+        "cpu_layer_kernel": CPU_LAYER_KERNEL,  # what serves the routing op on the host: native (C++) or composite
         "cuda_kernel": cuda_kernel(base.device),  # "triton" where the ops ran on CUDA through it
         "intra_op_threads": intra_op_threads,  # torch's, per rank (the same in every run of this bench)
         "ranks": base.ranks,

@@ -182,7 +182,7 @@ def run_data_plane_bench(base: RunConfig, modes: tuple[str, ...], *,
         "data_plane_only": True,  # no upstream EPLB step, no rearrangement
         "expert_kernel": base.expert_kernel,
         "cpp_wrapper": base.cpp_wrapper,  # compiled mode: Inductor's wrapper in C++
-        "cpu_layer_kernel": CPU_LAYER_KERNEL,  # what serves the routing op on the host: native (C++) or numba
+        "cpu_layer_kernel": CPU_LAYER_KERNEL,  # what serves the routing op on the host: native (C++) or composite
         "cuda_kernel": cuda_kernel(base.device),  # "triton" where the ops ran on CUDA through it
         "intra_op_threads": [threads],  # torch's, in this process
         "ranks": 1,

@@ -25,10 +25,11 @@ def test_the_script_times_the_routing_op_against_its_floors(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     calls = report["calls"]
-    assert set(calls) == {"routing_op", "python_op", "passthrough", "kernel", "nothing"}
+    assert set(calls) == {"routing_op", "composite_op", "passthrough", "composite", "nothing"}
     assert report["cpu_layer_kernel"] == CPU_LAYER_KERNEL
     assert report["forward_p50_us"] > 0 and report["routing_op_cold_over_hot"] > 0
+    assert report["composite_op_cold_over_routing_op_cold"] > 0
     # the op does the kernel's work behind the dispatcher: never cheaper than an empty call
     assert calls["routing_op"]["hot_us"] > calls["nothing"]["hot_us"]
-    assert calls["python_op"]["hot_us"] > calls["nothing"]["hot_us"]
+    assert calls["composite_op"]["hot_us"] > calls["nothing"]["hot_us"]
     assert done.stdout.splitlines()[-1] == f"wrote {out}"

@@ -1,5 +1,5 @@
-"""Shared by the routing-op tests: random valid tables, batch flags, and the check that a
-layer kernel follows its layer's live tables."""
+"""Shared by the routing-op tests: random valid tables, batch flags, dtypes and memory layouts
+of the arguments, and the check that a layer kernel follows its layer's live tables."""
 
 from collections.abc import Callable
 
@@ -9,6 +9,16 @@ from hypothesis import strategies as st
 from eplb_graph import BatchFlags, build_lookup, validate_placement
 from eplb_graph.custom_ops.routing import map_and_record_composite
 from eplb_graph.layer_lookup import LayerLookup, RoutedLayer
+
+ID_DTYPES = (torch.int32, torch.int64)
+# Every dtype the torch composite counts into (index_add_'s on CPU): the kernels must take each.
+LOAD_DTYPES = (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+    torch.float32, torch.float64, torch.complex32, torch.complex64, torch.complex128,
+)
+# A 0-dim flag (BatchFlags' own) and a 1-element one (a row of someone else's buffer).
+FLAG_SHAPES = ((), (1,))
+LAYOUTS = ("contiguous", "transposed", "strided")
 
 # Hypothesis arguments of a routing case: table sizes, a batch, its flags, the ids' dtype.
 ROUTING_CASES = dict(
@@ -32,6 +42,27 @@ def random_tables(num_logical: int, num_redundant: int, seed: int):
     placement = validate_placement(placement, num_logical, num_logical + num_redundant, max_replicas)
     lookup, replica_count = build_lookup(placement, num_logical, max_replicas)
     return placement, lookup, replica_count
+
+
+def laid_out(tensor: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values in another memory layout: contiguous; "transposed" (2-d only), the
+    ``.t()`` of a contiguous transpose (a [K, T] top-k read as [T, K]); "strided", every other
+    element of a larger tensor's last dim, at a storage offset."""
+    if layout == "contiguous":
+        return tensor.contiguous()
+    if layout == "transposed":
+        if tensor.dim() != 2:
+            raise ValueError(f"only a 2-d tensor has a transposed layout, got {tuple(tensor.shape)}")
+        return tensor.t().contiguous().t()
+    wide = torch.zeros(*tensor.shape[:-1], 2 * tensor.shape[-1] + 1, dtype=tensor.dtype)
+    view = wide[..., 1::2]
+    view.copy_(tensor)
+    return view
+
+
+def as_load(counts: list[int], dtype: torch.dtype) -> list:
+    """The reference's exact counts as a load buffer of ``dtype`` holds them (bool: counted at all)."""
+    return torch.tensor(counts, dtype=torch.int64).to(dtype).tolist()
 
 
 def flags(record: bool, num_unpadded: int, shape=()):

@@ -1,15 +1,19 @@
-"""The C++ CPU kernel of map_and_record_layer (custom_ops/csrc/layer_routing.cpp) and the
-index of layers it keeps, mirrored from LAYER_TABLES.
+"""The C++ CPU kernels of the routing ops (custom_ops/csrc/routing.cpp), the index of layers the
+layer op keeps, mirrored from LAYER_TABLES, and the torch composite that serves where they
+cannot be had. test_routing_ops.py holds the table-taking ops to the Python reference and the
+composite on whichever kernel serves; it is run here again with the C++ kernels switched off.
 
-What these tests do not prove: that a machine without a C++ compiler gets the C++ kernel (it
-gets the numba kernel, tested here by making the build fail), or anything about CUDA tables
-(the kernel refuses non-CPU tables; a meta-device layer stands in for them)."""
+What these tests do not prove: that a machine without a C++ compiler gets the C++ kernels (it
+gets the composite, tested here by making the build fail), or anything about CUDA tables
+(the layer kernel refuses non-CPU tables; a meta-device layer stands in for them)."""
 
 import gc
 import os
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,11 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb_graph import BatchFlags
-from eplb_graph.custom_ops import CPU_LAYER_KERNEL, LAYER_TABLES, cpu_routing, layer_routing, native_routing
+from eplb_graph.custom_ops import CPU_LAYER_KERNEL, LAYER_TABLES, layer_routing, native_routing, routing
 from eplb_graph.layer_lookup import LayerLookup, RoutedLayer
 from tests.custom_ops.routing_cases import ROUTING_CASES, check_layer_kernel_follows_its_tables, random_tables
 from tests.routing_reference import map_to_physical_reference, record_load_reference
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CAN_BUILD = (shutil.which(os.environ.get("CXX", "c++")) is not None and shutil.which("ninja") is not None
              and os.environ.get(native_routing.SWITCH) != "0")
 native_only = pytest.mark.skipif(CPU_LAYER_KERNEL != "native", reason="the C++ kernel is not what serves CPU here")
@@ -35,6 +40,13 @@ def test_a_machine_that_can_build_routes_cpu_calls_through_cpp():
 
 
 @native_only
+@pytest.mark.parametrize("name", ["map_to_physical", "record_load", "map_and_record", "map_and_record_layer"])
+def test_every_cpu_op_is_served_by_the_cpp_kernel(name):
+    cpu = [line for line in torch._C._dispatch_dump(f"eplb_graph::{name}").splitlines() if line.startswith("CPU:")]
+    assert len(cpu) == 1 and native_routing.SOURCE.name in cpu[0] and "unboxed" in cpu[0], cpu  # not a Python kernel
+
+
+@native_only
 @settings(max_examples=80, deadline=None)
 @given(
     **ROUTING_CASES,
@@ -42,7 +54,7 @@ def test_a_machine_that_can_build_routes_cpu_calls_through_cpp():
     transposed=st.booleans(),
     flag_dtype=st.sampled_from([torch.bool, torch.int32]),
 )
-def test_the_cpp_kernel_matches_the_reference_and_the_numba_kernel(
+def test_the_cpp_layer_kernel_matches_the_reference_and_the_composite(
     num_logical, num_redundant, num_tokens, top_k, num_unpadded, record, seed, id_dtype, load_dtype, transposed,
     flag_dtype,
 ):
@@ -61,17 +73,68 @@ def test_the_cpp_kernel_matches_the_reference_and_the_numba_kernel(
         assert physical.tolist() == expected
         assert tables.load.tolist() == record_load_reference(expected, tables.load.numel(), record, num_unpadded)
 
-        numba_load = torch.zeros_like(tables.load)
-        tables.bind_load_(numba_load)
-        numba_physical = cpu_routing.LayerMapAndRecord()(ids, layer)
-        assert torch.equal(numba_physical, physical) and numba_load.tolist() == tables.load.tolist()
+        composite_load = torch.zeros_like(tables.load)
+        composite_physical = routing.map_and_record_composite(
+            ids, tables.lookup, tables.replica_count, composite_load, flags.record_enabled, flags.num_unpadded_tokens)
+        assert torch.equal(composite_physical, physical) and composite_load.tolist() == tables.load.tolist()
     finally:
         layer.close()
 
 
-def test_the_numba_kernel_behind_a_python_kernel_follows_its_layer_too():
+def _dtypes_on_the_cpu_key() -> list[torch.dtype]:
+    """Every dtype a plain CPU tensor can have (quantized ones dispatch to QuantizedCPU)."""
+    dtypes = {str(dtype): dtype for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)}
+    return [dtype for name, dtype in sorted(dtypes.items()) if not name.startswith("torch.q")]
+
+
+@native_only
+@pytest.mark.parametrize("dtype", _dtypes_on_the_cpu_key(), ids=str)
+def test_the_cpp_kernels_name_every_dtype_as_the_composite_does(dtype):
+    """Each argument checked for its dtype, given this one: the C++ kernel accepts it where the
+    composite does, and refuses it where the composite does, in the composite's words."""
+    lookup, replica_count = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    ids, load = torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2)
+    record_enabled, num_unpadded = torch.ones((), dtype=torch.bool), torch.ones((), dtype=torch.int32)
+    wrong = torch.zeros(2, 2, dtype=dtype)
+    calls = [
+        ("map_to_physical", (wrong, lookup, replica_count)),
+        ("map_to_physical", (ids, wrong[:, :1], replica_count)),
+        ("map_to_physical", (ids, lookup, wrong[:, 0])),
+        ("record_load", (wrong, load, record_enabled, num_unpadded)),
+        ("record_load", (ids, load, wrong[0, 0], num_unpadded)),
+        ("record_load", (ids, load, record_enabled, wrong[0, 0])),
+    ]
+
+    def outcome(kernel, args) -> str:
+        try:
+            kernel(*args)
+        except RuntimeError as error:
+            return str(error).splitlines()[0]
+        return "accepted"
+
+    cpp = [outcome(getattr(torch.ops.eplb_graph, name), args) for name, args in calls]
+    composite = [outcome(getattr(routing, f"{name}_kernel"), args) for name, args in calls]
+    assert cpp == composite
+    refused = [message for message in cpp if message != "accepted"]
+    assert all(message.endswith(f"got {dtype}") for message in refused), refused
+    assert len(refused) == {torch.int32: 0, torch.int64: 2, torch.bool: 5}.get(dtype, 6), refused
+
+
+@native_only
+def test_replica_counts_beyond_the_lookup_never_read_outside_it():
+    """Table values are the caller's; the C++ kernels read only inside the tables whatever they hold."""
+    lookup = torch.tensor([[5, 6], [7, 8]], dtype=torch.int32)[:1]  # a view: row 1 lies just past it
+    replica_count = torch.tensor([1000], dtype=torch.int32)  # beyond the lookup's 2 columns
+    ids = torch.zeros(64, 1, dtype=torch.int64)
+    assert set(torch.ops.eplb_graph.map_to_physical(ids, lookup, replica_count).flatten().tolist()) == {5, 6}
+    no_slots = torch.zeros(1, 0, dtype=torch.int32)
+    assert torch.ops.eplb_graph.map_to_physical(ids, no_slots, replica_count).flatten().tolist() == [-1] * 64
+
+
+def test_the_composite_behind_a_python_kernel_follows_its_layer_too():
     # what serves CPU calls where C++ cannot be built
-    check_layer_kernel_follows_its_tables(layer_routing.python_op_kernel(cpu_routing.LayerMapAndRecord()), "numba.follow")
+    layer_kernel = layer_routing.python_op_kernel(layer_routing.on_tables(routing.map_and_record_composite))
+    check_layer_kernel_follows_its_tables(layer_kernel, "composite.follow")
 
 
 @native_only
@@ -162,18 +225,32 @@ def _exited_quietly(done: subprocess.CompletedProcess) -> bool:
     return done.returncode == 0 and "Exception ignored" not in done.stderr and "Traceback" not in done.stderr
 
 
-def test_switched_off_the_numba_kernel_serves_cpu_calls():
+def test_switched_off_the_composite_serves_cpu_calls():
     done = _fresh_interpreter(FOLLOWS, **{native_routing.SWITCH: "0"})
     assert _exited_quietly(done), done.stderr[-3000:]
-    assert done.stdout.split() == ["numba", "False"]
+    assert done.stdout.split() == ["composite", "False"]
 
 
-def test_a_failed_build_falls_back_to_numba_with_a_warning_naming_it(tmp_path):
+def test_switched_off_the_composite_passes_every_registered_op_test():
+    """test_routing_ops.py, whose ops the composite serves in that process (checked before it runs)."""
+    code = ("import sys, pytest\n"
+            "from eplb_graph.custom_ops import CPU_LAYER_KERNEL\n"
+            "assert CPU_LAYER_KERNEL == 'composite', CPU_LAYER_KERNEL\n"
+            "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/custom_ops/test_routing_ops.py']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+                          env={**os.environ, native_routing.SWITCH: "0"})
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert re.match(r"\d+ passed", summary) and not re.search(r"failed|error", summary), summary
+
+
+def test_a_failed_build_falls_back_to_the_composite_with_a_warning_naming_it(tmp_path):
     done = _fresh_interpreter(FOLLOWS, **{native_routing.CACHE_DIR: str(tmp_path), "CXX": "/bin/false",
                                           native_routing.SWITCH: "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[0] == "numba"
-    assert "the C++ routing kernel could not be built or loaded" in done.stderr
+    assert done.stdout.split()[0] == "composite"
+    assert "the C++ routing kernels could not be built or loaded" in done.stderr
+    assert "the torch composite serves the routing ops on CPU" in done.stderr
 
 
 @native_only
