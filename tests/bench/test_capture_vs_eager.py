@@ -2,7 +2,12 @@
 
 import json
 
+import pytest
+
 from eplb_graph.runtime.cli import main
+
+
+pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
 
 
 def test_bench_reports_every_mode_and_setting(capsys, tmp_path):

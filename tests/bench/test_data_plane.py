@@ -87,6 +87,7 @@ def test_failed_checks_name_outputs_that_differ():
     assert failed_checks("graph", checks) == ["graph: 3 on_idle step(s) differ from off beyond 0.0 (max |diff| 2.50e-01)"]
 
 
+@pytest.mark.launches
 def test_the_cli_writes_the_report_and_needs_no_vllm(tmp_path):
     """In a fresh interpreter: the whole data-plane bench runs without importing vLLM."""
     code = (

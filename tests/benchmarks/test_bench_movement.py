@@ -4,7 +4,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.benchmarks.scripts import BENCHMARKS
+
+
+pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
 
 
 def test_back_to_back_rearrangements_report_no_ratio_and_no_verdict(tmp_path):

@@ -4,8 +4,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from eplb_graph.custom_ops import CPU_LAYER_KERNEL
 from tests.benchmarks.scripts import BENCHMARKS, load_benchmark
+
 
 bench_op_in_step = load_benchmark("bench_op_in_step")
 
@@ -18,6 +21,7 @@ def test_each_case_is_timed_after_a_step_then_again():
     assert set(results) == {"a", "b"} and all(r["cold_us"] > 0 and r["hot_us"] > 0 for r in results.values())
 
 
+@pytest.mark.launches
 def test_the_script_times_the_routing_op_against_its_floors(tmp_path):
     out = tmp_path / "op.json"
     done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_op_in_step.py"), "--rounds", "30", "--backend",

@@ -5,8 +5,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from eplb_graph.custom_ops import CPU_LAYER_KERNEL, native_routing
 from tests.benchmarks.scripts import BENCHMARKS
+
+
+pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
 
 
 def _run(tmp_path, **env: str) -> tuple[dict, str]:

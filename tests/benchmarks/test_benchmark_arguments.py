@@ -7,6 +7,8 @@ import pytest
 
 from tests.benchmarks.scripts import BENCHMARKS
 
+pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
+
 
 @pytest.mark.parametrize(
     "script, args, message",

@@ -39,6 +39,7 @@ def python_stage(name, code, timeout_s=60, **options):
     return gpu_stages.Stage(name, [sys.executable, "-c", textwrap.dedent(code)], timeout_s, **options)
 
 
+@pytest.mark.launches
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the script would run")
 def test_without_cuda_it_exits_2_naming_the_reason(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
@@ -177,6 +178,7 @@ def test_exit_code_reads_the_stages_of_this_call_and_a_forced_timeout_that_held(
     assert gpu_stages.exit_code({"run": {**forced, "status": "ok"}}, ["run"]) == 1  # it was meant to time out
 
 
+@pytest.mark.launches
 def test_vllms_import_leaves_the_compile_threads_as_they_were():
     """vLLM sets TORCHINDUCTOR_COMPILE_THREADS=1 on import; the call's parent puts it back, so
     every stage (and its ranks) compiles in parallel."""
@@ -220,6 +222,7 @@ def test_the_summary_reads_a_bench_in_one_line():
     assert gpu_bench.bench_figures(full) == "graph on_idle/off 1.01 (A/A 1.0), rearranging p99/steady p50 1.12"
 
 
+@pytest.mark.launches
 def test_only_names_known_stages_before_anything_runs(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--only", "bench,benchh", "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=120)

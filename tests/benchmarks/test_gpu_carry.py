@@ -69,6 +69,7 @@ def test_the_pack_keeps_vllms_python_and_leaves_out_compiled_code_and_its_source
     assert json.loads((tmp_path / "carry" / "manifest.json").read_text()) == manifest
 
 
+@pytest.mark.launches
 def test_installed_the_platform_imports_with_the_kernel_library_stubbed(gpu_carry, wheels, tmp_path):
     gpu_carry.pack(tmp_path / "carry", ["vllm==0.32.0", "dep==1.0"], wheels)
     site = tmp_path / "site"
@@ -116,6 +117,7 @@ def test_the_carry_pins_are_the_cpu_stacks_versions():
     assert {name: version for name, version in pins.items() if cpu.get(name) != version} == {}
 
 
+@pytest.mark.launches
 def test_gpu_bench_refuses_a_missing_carry_before_any_stage(tmp_path):
     done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_bench.py"), "--carry", str(tmp_path / "none"),
                            "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)

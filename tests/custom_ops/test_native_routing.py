@@ -225,12 +225,14 @@ def _exited_quietly(done: subprocess.CompletedProcess) -> bool:
     return done.returncode == 0 and "Exception ignored" not in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.launches
 def test_switched_off_the_composite_serves_cpu_calls():
     done = _fresh_interpreter(FOLLOWS, **{native_routing.SWITCH: "0"})
     assert _exited_quietly(done), done.stderr[-3000:]
     assert done.stdout.split() == ["composite", "False"]
 
 
+@pytest.mark.launches
 def test_switched_off_the_composite_passes_every_registered_op_test():
     """test_routing_ops.py, whose ops the composite serves in that process (checked before it runs)."""
     code = ("import sys, pytest\n"
@@ -244,6 +246,7 @@ def test_switched_off_the_composite_passes_every_registered_op_test():
     assert re.match(r"\d+ passed", summary) and not re.search(r"failed|error", summary), summary
 
 
+@pytest.mark.launches
 def test_a_failed_build_falls_back_to_the_composite_with_a_warning_naming_it(tmp_path):
     done = _fresh_interpreter(FOLLOWS, **{native_routing.CACHE_DIR: str(tmp_path), "CXX": "/bin/false",
                                           native_routing.SWITCH: "1"})
@@ -253,6 +256,7 @@ def test_a_failed_build_falls_back_to_the_composite_with_a_warning_naming_it(tmp
     assert "the torch composite serves the routing ops on CPU" in done.stderr
 
 
+@pytest.mark.launches
 @native_only
 def test_a_process_that_finds_the_kernel_built_loads_it_without_build_machinery_and_exits_quietly():
     done = _fresh_interpreter(FOLLOWS)

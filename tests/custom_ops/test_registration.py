@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import eplb_graph.custom_ops as custom_ops
 
 
@@ -11,6 +13,7 @@ def test_without_triton_the_cuda_kernel_is_the_composite_and_says_why():
     assert custom_ops.CUDA_KERNEL == "composite (Triton is not installed)"  # the host venv keeps Triton off its path
 
 
+@pytest.mark.launches
 def test_a_triton_that_fails_to_import_leaves_the_ops_registered_and_is_named(tmp_path):
     """A broken Triton (built for another torch, say) must not break ``import eplb_graph``, nor let
     the composite serve a GPU unnoticed: CUDA_KERNEL names the failure for the reports."""

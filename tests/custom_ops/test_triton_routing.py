@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TRITON_PATH = Path(sys.prefix) / "triton-interpreter"
 

@@ -1,7 +1,12 @@
 """GlooStagedCommunicator: upstream's own rearrangement driven through it equals the direct layout."""
 
+import pytest
+
 from eplb_graph.runtime.launch import run_ranks
 from tests.runtime import multirank_cases
+
+
+pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
 
 
 def test_upstream_rearrange_with_gloo_staged_communicator_matches_direct_layout():

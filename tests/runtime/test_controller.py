@@ -5,6 +5,8 @@ import pytest
 from eplb_graph.runtime.launch import RankFailure, run_ranks
 from tests.runtime import multirank_cases
 
+pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
+
 
 @pytest.mark.parametrize(
     "weight_format,ranks", [("unquantized", 2), ("w8a8_dynamic", 2), ("w4a8", 2), ("unquantized", 4)]

@@ -1,7 +1,12 @@
-"""Set-up of vLLM's groups for the EP ranks (the EP layer itself runs in test_movement / test_runtime)."""
+"""Set-up of vLLM's groups for the EP ranks (the EP layer itself runs in test_controller.py and test_rank.py)."""
 
 import subprocess
 import sys
+
+import pytest
+
+
+pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
 
 BUILD_CONFIG_TWICE = """
 import logging, sys

@@ -10,6 +10,8 @@ from eplb_graph.runtime.config import RunConfig
 from eplb_graph.runtime.rank import run_rank_and_shut_down
 from tests.runtime import launch_cases
 
+pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
+
 TIMEOUT_S = 5
 # spawning a rank and importing eplb_graph takes ~2.3 s on two idle cores and 5-8 s while other
 # tests load them (this bound once made these tests flaky): start-up gets a bound of its own

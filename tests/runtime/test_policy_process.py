@@ -9,6 +9,8 @@ import torch
 from eplb_graph.runtime.policy_process import PolicyProcess, PolicyProcessError
 from tests.runtime.policy_cases import FailingPolicy, PidPolicy, SlowPolicy
 
+pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
+
 
 @pytest.fixture(scope="module")
 def pid_helper():

@@ -15,6 +15,8 @@ from eplb_graph.weight_views import expert_format
 from tests.markers import requires_cuda
 from tests.runtime import multirank_cases
 
+pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
+
 
 def _run(capsys, tmp_path, *args):
     code = main(["run", "--json", "--out", str(tmp_path), *args])

@@ -59,6 +59,7 @@ def test_a_runner_module_imported_later_gets_the_eplb_attach_step(stand_in_vllm_
     assert getattr(model_runner_v1.NPUModelRunner.load_model, "__eplb_graph_runner__", False)
 
 
+@pytest.mark.launches
 def test_loading_the_plugin_imports_no_runner_module():
     """EPLB off, plugin loaded by EngineArgs: start-up pays for no runner import of ours."""
     script = (

@@ -104,6 +104,7 @@ def test_unsupported_combinations_are_refused_by_name_before_anything_starts(mod
     assert (args.enable_eplb, args.eplb_config) == before  # the request is left as the user gave it
 
 
+@pytest.mark.launches
 def test_without_the_plugin_vllm_refuses_eplb_on_cpu(model_dir):
     """What the plugin lifts is real: the same request fails in upstream vLLM alone."""
     script = (

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
+
 pytest.importorskip("vllm")
 
 ENGINE_RUN = Path(__file__).with_name("engine_run.py")
