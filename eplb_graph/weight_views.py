@@ -7,7 +7,7 @@ Its ``forward`` (a plain torch reference kernel) reads the very same tensors, so
 moved expert is what the next forward computes with. ``dequantized()`` recovers float
 weights for comparisons.
 
-Two kernels, both with static shapes (capture needs them), picked by ``expert_ids``:
+Two kernels (``expert_kernels``), both with static shapes (capture needs them), picked by ``expert_ids``:
 
     pairs   (ids given) each (token, k) pair through its own expert's gathered weights,
             [S, H] -> [S, H] (gpt-fast's decode kernel): work grows with the pairs, not
@@ -35,8 +35,9 @@ all ranks' tokens, exactly equal to the one-process reference on its own.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from eplb_graph.expert_kernels import kernel, swiglu
 
 
 class ExpertWeights(nn.Module):
@@ -76,62 +77,6 @@ class ExpertWeights(nn.Module):
         """Refuses expert widths this format cannot store (before any weight or process exists)."""
 
 
-def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-# The host's BLAS takes other paths for small batches, whose sums round differently, so a
-# token's output would depend on its batch's size; smaller batches are padded (a GEMM's rows
-# agree from 4 rows up, a bmm's matvecs from a batch of 2; checked in tests/eplb_graph/
-# test_weight_views.py).
-MIN_GEMM_ROWS = 4
-MIN_BMM_BATCH = 2
-
-
-class _EveryExpert:
-    """The dense kernel's indexing: x [N, I] (or [E, N, I]) through every expert -> [E, N, O]."""
-
-    @staticmethod
-    def weight(w: torch.Tensor) -> torch.Tensor:  # [E, O, I]
-        return w
-
-    @staticmethod
-    def channel(c: torch.Tensor) -> torch.Tensor:  # per-output-channel [E, O] -> [E, 1, O]
-        return c.unsqueeze(1)
-
-    @staticmethod
-    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[-2]
-        if rows >= MIN_GEMM_ROWS:
-            return torch.matmul(x, weight.transpose(1, 2))
-        padded = F.pad(x, (0, 0, 0, MIN_GEMM_ROWS - rows))  # zero rows, dropped below
-        return torch.matmul(padded, weight.transpose(1, 2))[..., :rows, :]
-
-
-class _OnePerPair:
-    """The pairs kernel's indexing: row s of x [S, I] through expert expert_ids[s] -> [S, O]."""
-
-    def __init__(self, expert_ids: torch.Tensor) -> None:
-        self.expert_ids = expert_ids  # [S]
-
-    def weight(self, w: torch.Tensor) -> torch.Tensor:  # [E, O, I] -> [S, O, I]: a copy per pair
-        return w[self.expert_ids]
-
-    def channel(self, c: torch.Tensor) -> torch.Tensor:  # [E, O] -> [S, O]
-        return c[self.expert_ids]
-
-    @staticmethod
-    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if 0 < x.shape[0] < MIN_BMM_BATCH:  # a lone pair: run it twice, keep one
-            return _OnePerPair.linear(x.repeat(MIN_BMM_BATCH, 1), weight.repeat(MIN_BMM_BATCH, 1, 1))[: x.shape[0]]
-        return torch.bmm(weight, x.unsqueeze(-1)).squeeze(-1)  # [S, O, I] x [S, I] -> [S, O]
-
-
-def _kernel(expert_ids: torch.Tensor | None) -> _EveryExpert | _OnePerPair:
-    return _EveryExpert() if expert_ids is None else _OnePerPair(expert_ids)
-
-
 class UnquantizedExperts(ExpertWeights):
     format_name = "unquantized"
 
@@ -151,11 +96,11 @@ class UnquantizedExperts(ExpertWeights):
         return cls(w13, w2, b13 if bias else None, b2 if bias else None)
 
     def forward(self, x, expert_ids=None):
-        k = _kernel(expert_ids)
+        k = kernel(expert_ids)
         hidden = k.linear(x, k.weight(self.w13))  # [S, 2I] / [E, N, 2I]
         if "b13" in self.view_names:
             hidden = hidden + k.channel(self.b13)
-        out = k.linear(_swiglu(hidden), k.weight(self.w2))  # [S, H] / [E, N, H]
+        out = k.linear(swiglu(hidden), k.weight(self.w2))  # [S, H] / [E, N, H]
         if "b2" in self.view_names:
             out = out + k.channel(self.b2)
         return out
@@ -198,9 +143,9 @@ class W8A8DynamicExperts(ExpertWeights):
         return k.linear(x_q, k.weight(q).float()) * x_scale * k.channel(scale)
 
     def forward(self, x, expert_ids=None):
-        k = _kernel(expert_ids)
+        k = kernel(expert_ids)
         hidden = self._linear(k, x.float(), self.w13_q, self.w13_scale)  # [S, 2I] / [E, N, 2I]
-        return self._linear(k, _swiglu(hidden), self.w2_q, self.w2_scale).to(x.dtype)
+        return self._linear(k, swiglu(hidden), self.w2_q, self.w2_scale).to(x.dtype)
 
     def dequantized(self):
         return self.w13_q.float() * self.w13_scale.unsqueeze(-1), self.w2_q.float() * self.w2_scale.unsqueeze(-1)
@@ -258,23 +203,15 @@ class W4A8Experts(ExpertWeights):
         return k.linear(x_q, q) * x_scale * k.channel(scale) + k.channel(scale_bias) * x.sum(-1, keepdim=True)
 
     def forward(self, x, expert_ids=None):
-        k = _kernel(expert_ids)
+        k = kernel(expert_ids)
         hidden = self._linear(k, x.float(), self.w13_packed, self.w13_scale, self.w13_scale_bias)
-        return self._linear(k, _swiglu(hidden), self.w2_packed, self.w2_scale, self.w2_scale_bias).to(x.dtype)
+        return self._linear(k, swiglu(hidden), self.w2_packed, self.w2_scale, self.w2_scale_bias).to(x.dtype)
 
     def dequantized(self):
         def dq(packed, scale, bias):
             return unpack_int4(packed).float() * scale.unsqueeze(-1) + bias.unsqueeze(-1)
 
         return dq(self.w13_packed, self.w13_scale, self.w13_scale_bias), dq(self.w2_packed, self.w2_scale, self.w2_scale_bias)
-
-
-EXPERT_KERNELS = ("pairs", "dense")
-
-
-def check_expert_kernel(name: str) -> None:
-    if name not in EXPERT_KERNELS:
-        raise ValueError(f"unknown expert kernel {name!r}; expected one of {', '.join(EXPERT_KERNELS)}")
 
 
 EXPERT_FORMATS: dict[str, type[ExpertWeights]] = {

@@ -125,6 +125,47 @@ def result_entry(mode: str, eplb: str, steps: list[float], cfg: RunConfig, *, co
     }
 
 
+def mode_entries(mode: str, paired: list[dict], busy: list[dict], base: RunConfig, busy_cfg: RunConfig) -> list[dict]:
+    """The three result rows of one mode, from its paired run's and its rearranging run's ranks."""
+    recompiles = max(r["recompiles"] for r in paired)
+
+    def paired_entry(setting: str) -> dict:
+        steps = [ms for r in paired for ms in r["times"][setting]]
+        return result_entry(mode, setting, steps, base, compile_s=max(r["compile_s"][setting] for r in paired),
+                            recompiles=recompiles, recaptures=_worst([r["recaptures"][setting] for r in paired]))
+
+    rearranging = [ms for r in busy for ms in _decode_steps(r, True)]
+    steady = [ms for r in busy for ms in _decode_steps(r, False)]
+    return [paired_entry("off"), paired_entry("on_idle"), result_entry(
+        mode, "on_rearranging", rearranging or steady, busy_cfg, compile_s=max(r["compile_or_capture_s"] for r in busy),
+        recompiles=max(r["recompiles"] for r in busy), recaptures=_worst([r["recaptures"] for r in busy]),
+        rearrangements=min(r["rearrangements_finished"] for r in busy))]
+
+
+def mode_ratios(paired: list[dict], busy: list[dict]) -> dict:
+    """One mode's ratios: on_idle / off beside the A/A, and the rearranging steps against the steady ones."""
+    times = {name: [ms for r in paired for ms in r["times"][name]] for name in ("off", "on_idle", "off_twin", "on_idle_eplb_host")}
+    rearranging = [ms for r in busy for ms in _decode_steps(r, True)]
+    steady = [ms for r in busy for ms in _decode_steps(r, False)]
+    # the main thread's EPLB work inside those steps: upstream's rearrange() and layer commits
+    rearranging_host = [ms for r in busy for ms in _decode_steps(r, True, "eplb_host_ms")]
+    return {
+        **idle_ratios(times["on_idle"], times["off"], times["off_twin"], times["on_idle_eplb_host"]),
+        # null where the run had none of either: no rearrangement (--interval past --steps), or
+        # no steady step (rearrangements back to back: --interval within a rearrangement's length)
+        "rearranging_p99_over_steady_p50": over_median(rearranging, steady, 99),
+        # the same run's steady steps against themselves: what the ratio above would read if a
+        # rearrangement cost nothing (this machine's own tail), and the typical rearranging step
+        "steady_p99_over_steady_p50": over_median(steady, steady, 99),
+        "rearranging_p50_over_steady_p50": over_median(rearranging, steady),
+        "rearranging_decode_steps": len(rearranging),
+        "steady_decode_steps": len(steady),
+        "steady_p50_ms": round(statistics.median(steady), 3) if steady else None,
+        "rearranging_eplb_host_p50_ms": round(statistics.median(rearranging_host), 3) if rearranging_host else None,
+        "rearranging_eplb_host_p99_ms": round(percentile(rearranging_host, 99), 3) if rearranging_host else None,
+    }
+
+
 def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900,
               log: Callable[[str], None] | None = None) -> dict:
     """``base.steps`` per run and setting; ``base.step_interval``: how often the on_rearranging
@@ -143,41 +184,8 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
         busy = run_ranks(run_rank_and_shut_down, base.ranks, busy_cfg, timeout_s=timeout_s)
         intra_op_threads = [r["intra_op_threads"] for r in busy]  # every run's ranks follow the same rule
         log(f"bench {mode}: done in {time.monotonic() - start:.0f} s")
-        off_steps = [ms for r in paired for ms in r["times"]["off"]]
-        idle_steps = [ms for r in paired for ms in r["times"]["on_idle"]]
-        twin_steps = [ms for r in paired for ms in r["times"]["off_twin"]]
-        rearranging = [ms for r in busy for ms in _decode_steps(r, True)]
-        steady = [ms for r in busy for ms in _decode_steps(r, False)]
-        # the main thread's EPLB work inside those steps: upstream's rearrange() and layer commits
-        rearranging_host = [ms for r in busy for ms in _decode_steps(r, True, "eplb_host_ms")]
-        recompiles = max(r["recompiles"] for r in paired)
-        entries = [
-            result_entry(mode, "off", off_steps, base, compile_s=max(r["compile_s"]["off"] for r in paired),
-                         recompiles=recompiles, recaptures=_worst([r["recaptures"]["off"] for r in paired])),
-            result_entry(mode, "on_idle", idle_steps, base, compile_s=max(r["compile_s"]["on_idle"] for r in paired),
-                         recompiles=recompiles, recaptures=_worst([r["recaptures"]["on_idle"] for r in paired])),
-            result_entry(mode, "on_rearranging", rearranging or steady, busy_cfg,
-                         compile_s=max(r["compile_or_capture_s"] for r in busy),
-                         recompiles=max(r["recompiles"] for r in busy), recaptures=_worst([r["recaptures"] for r in busy]),
-                         rearrangements=min(r["rearrangements_finished"] for r in busy)),
-        ]
-        results.extend(entries)
-        idle_host = [ms for r in paired for ms in r["times"]["on_idle_eplb_host"]]
-        ratios[mode] = {
-            **idle_ratios(idle_steps, off_steps, twin_steps, idle_host),
-            # null where the run had none of either: no rearrangement (--interval past --steps), or
-            # no steady step (rearrangements back to back: --interval within a rearrangement's length)
-            "rearranging_p99_over_steady_p50": over_median(rearranging, steady, 99),
-            # the same run's steady steps against themselves: what the ratio above would read if a
-            # rearrangement cost nothing (this machine's own tail), and the typical rearranging step
-            "steady_p99_over_steady_p50": over_median(steady, steady, 99),
-            "rearranging_p50_over_steady_p50": over_median(rearranging, steady),
-            "rearranging_decode_steps": len(rearranging),
-            "steady_decode_steps": len(steady),
-            "steady_p50_ms": round(statistics.median(steady), 3) if steady else None,
-            "rearranging_eplb_host_p50_ms": round(statistics.median(rearranging_host), 3) if rearranging_host else None,
-            "rearranging_eplb_host_p99_ms": round(percentile(rearranging_host, 99), 3) if rearranging_host else None,
-        }
+        results.extend(mode_entries(mode, paired, busy, base, busy_cfg))
+        ratios[mode] = mode_ratios(paired, busy)
     speedup = graph_speedup(results, base.device)
     if speedup is not None:
         ratios["graph_speedup_over_eager_decode"] = speedup

@@ -91,7 +91,8 @@ class RunConfig:
 
     def validate(self) -> None:
         """Every check that can fail, before any process starts."""
-        from eplb_graph.weight_views import check_expert_kernel, expert_format
+        from eplb_graph.expert_kernels import check_expert_kernel
+        from eplb_graph.weight_views import expert_format
 
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")

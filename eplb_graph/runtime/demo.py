@@ -10,10 +10,9 @@ compiled graph keeps running, now balanced, without recompiling.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
-from torch import nn
 
 from eplb_graph.layer_lookup import BatchFlags, LayerLookup
 from eplb_graph.models.reference import ReferenceMoEConfig, build_reference_model
@@ -41,12 +40,29 @@ def rank_balancedness(physical_load: torch.Tensor, ranks: int) -> float:
     return balancedness(physical_load.reshape(ranks, -1).sum(-1))  # [ranks]
 
 
-def demo_router(num_logical: int, top_k: int, seed: int) -> tuple[nn.Module, nn.Module, WorkloadSpec]:
-    """The reference decoder's embedding and first router, and the runtime's skewed workload
-    (a hot vocabulary slice, so a hot set of experts) over its vocabulary."""
-    config = ReferenceMoEConfig(num_layers=1, num_experts=num_logical, top_k=top_k)
-    model = build_reference_model(config, seed=seed)
-    return model.embed, model.layers[0].mlp.gate, WorkloadSpec(vocab_size=config.vocab_size, seed=seed)
+class DemoRouter:
+    """The reference decoder's embedding and first router over a ``LayerLookup``, and the runtime's
+    skewed workload (a hot vocabulary slice, so a hot set of experts) over its vocabulary."""
+
+    def __init__(self, num_logical: int, num_redundant: int, top_k: int, tokens: int, seed: int) -> None:
+        config = ReferenceMoEConfig(num_layers=1, num_experts=num_logical, top_k=top_k)
+        model = build_reference_model(config, seed=seed)
+        self.embed, self.gate = model.embed, model.layers[0].mlp.gate
+        self.layer = LayerLookup(num_logical, num_logical + num_redundant)
+        self.flags = BatchFlags()
+        self.flags.set_(record=True, num_unpadded_tokens=tokens)
+        self.workload = WorkloadSpec(vocab_size=config.vocab_size, seed=seed, capture_sizes=(tokens,),
+                                     decode_tokens=tokens, prefill_tokens=tokens)
+
+    def logical_ids(self, token_ids: torch.Tensor) -> torch.Tensor:  # [1, T] -> [T, K]
+        return self.gate(self.embed(token_ids[0]))[1]
+
+    def route(self, token_ids: torch.Tensor) -> torch.Tensor:  # [1, T] -> [T, K] physical ids
+        layer, flags = self.layer, self.flags
+        return torch.ops.eplb_graph.map_and_record(
+            self.logical_ids(token_ids), layer.lookup, layer.replica_count, layer.load, flags.record_enabled,
+            flags.num_unpadded_tokens,
+        )
 
 
 def run_demo(
@@ -67,23 +83,10 @@ def run_demo(
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     num_physical = num_logical + num_redundant
-    layer = LayerLookup(num_logical, num_physical)
-    batch = BatchFlags()
-    embed, gate, spec = demo_router(num_logical, top_k, seed)
-    spec = replace(spec, capture_sizes=(tokens,), decode_tokens=tokens, prefill_tokens=tokens)
-
-    def logical_ids(token_ids: torch.Tensor) -> torch.Tensor:  # [1, T] -> [T, K]
-        return gate(embed(token_ids[0]))[1]
-
-    def route(token_ids: torch.Tensor) -> torch.Tensor:  # [1, T] -> [T, K] physical ids
-        return torch.ops.eplb_graph.map_and_record(
-            logical_ids(token_ids), layer.lookup, layer.replica_count, layer.load, batch.record_enabled,
-            batch.num_unpadded_tokens,
-        )
-
-    compiled = torch.compile(route, backend=backend, fullgraph=True)
-    workload = [make_batch(spec, step, 0).tokens for step in range(steps)]
-    batch.set_(record=True, num_unpadded_tokens=tokens)
+    router = DemoRouter(num_logical, num_redundant, top_k, tokens, seed)
+    layer = router.layer
+    compiled = torch.compile(router.route, backend=backend, fullgraph=True)
+    workload = [make_batch(router.workload, step, 0).tokens for step in range(steps)]
     pointer = layer.lookup.data_ptr()
 
     graphs_before = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -104,7 +107,7 @@ def run_demo(
     with torch._dynamo.config.patch(error_on_recompile=True):
         for token_ids in workload:
             physical = compiled(token_ids)
-            hosting_ok &= bool(torch.equal(layer.physical_to_logical[physical], logical_ids(token_ids)))
+            hosting_ok &= bool(torch.equal(layer.physical_to_logical[physical], router.logical_ids(token_ids)))
     after = rank_balancedness(layer.load, ranks)
     recompiles = int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs_before - 1
     return DemoReport(

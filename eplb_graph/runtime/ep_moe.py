@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from eplb_graph.weight_views import ExpertWeights, check_expert_kernel
+from eplb_graph.expert_kernels import check_expert_kernel
+from eplb_graph.weight_views import ExpertWeights
 
 # torch 2.13 calls the traceable all-gather all_gather_single; torch 2.11 (the lent GPU image's)
 # has only all_gather_tensor, which 2.13 keeps as a deprecated alias of it.
