@@ -42,6 +42,11 @@ ROUTER_NOTES = """\
   the router, so the experts still get physical ids.
 - **Router at the decoder layer** (Gemma 4: `.router` and `.experts` are children of the
   decoder layer): the router module is the router path as usual.
+- **Two routed-expert sets in one block** (ERNIE-4.5-VL: text and vision experts, each
+  with its router): both are bound. With text-only input the block never calls the vision
+  experts, so the compiled graph holds one mapped router of the two (*mapped 1/2*); the
+  vision layer records no load and `rearrange()` keeps its placement. Input with images
+  traces the vision path, whose router the pass then maps.
 - **Refused at `enable()`**: a router whose selection is not a `torch.topk` over the
   experts (Phi-MoE's sparsemixer uses `max`), a top-k over `num_experts + 1` classes (a
   "no expert" class, ZAYA), hash routing by token id (DeepSeek-V4's first layers), and any
