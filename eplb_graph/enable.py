@@ -2,7 +2,7 @@
 
     handle = eplb_graph.enable(model, num_redundant_experts=4)
     compiled = torch.compile(model, backend=handle.backend(), fullgraph=True)
-    ...                       # forwards record load per physical expert
+    ...                       # every forward records load per physical expert
     handle.rearrange()        # upstream policy -> move weights -> refresh lookups in place
 
 ``enable`` validates everything before it touches the model, then turns each MoE layer's
@@ -10,6 +10,12 @@ routed-expert weights from logical [num_logical, ...] into physical [num_physica
 layout (initial placement: every logical expert once, then redundant slots round-robin,
 as upstream's initial map) and creates one ``LayerLookup`` per layer. The compiled graph
 reaches each layer's tables by name through ``map_and_record_layer``.
+
+Load recording needs no call: the batch flags start at "record every row" (the op counts
+rows below ``num_unpadded_tokens``; ``EVERY_ROW`` is above any batch), so a plain forward
+records each of its tokens. ``set_batch`` narrows one batch (trailing padding rows, the
+load phase) and ``set_batch()`` returns to every row. The flags are device tensors the
+graph reads, so the default costs the hot path nothing: no branch, no host sync.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from eplb_graph.adapter_base import ENABLED_MARK
 from eplb_graph.adapters import DEFAULT_ADAPTERS, MoEAdapter, MoELayerSpec, find_moe_layers
 from eplb_graph.layer_lookup import BatchFlags, LayerLookup, RoutedLayer, batch_in_load_phase, check_load_phase
 from eplb_graph.placement import initial_placement, validate_placement
@@ -30,6 +37,12 @@ from eplb_graph.passes.router_sites import RouterBinding
 from eplb_graph.passes.verify import VerifierReport, verify
 
 _handle_ids = itertools.count()
+# Above any batch's row count: the routing op records rows t < num_unpadded_tokens.
+EVERY_ROW = torch.iinfo(torch.int64).max
+
+
+class NoLoadRecordedError(RuntimeError):
+    """``rearrange()`` was asked to balance while no layer has recorded load since the last placement."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,9 @@ class EplbLayer(RoutedLayer):
         return self.spec.name
 
     def binding(self) -> RouterBinding:
-        return RouterBinding(self.key, self.spec.router_path, self.spec.num_experts, self.spec.top_k)
+        return RouterBinding(
+            self.key, self.spec.router_path, self.spec.num_experts, self.spec.top_k, experts_path=self.spec.experts_path
+        )
 
     def expert_weights(self) -> list[torch.Tensor]:
         return [getattr(self.spec.experts, name) for name in self.spec.expert_param_names]
@@ -157,10 +172,12 @@ class EplbHandle:
 
     # -- between forwards ------------------------------------------------------------------
 
-    def set_batch(self, *, num_tokens: int, is_prefill: bool = False) -> None:
-        """Before a forward: whether this batch records load (its phase), and its real token count."""
+    def set_batch(self, *, num_tokens: int | None = None, is_prefill: bool = False) -> None:
+        """Before a forward: whether this batch records load (its phase), and how many of its
+        flattened [batch * seq] rows are real tokens (the rest is trailing padding); None:
+        every row. Holds for the following forwards until called again."""
         record = batch_in_load_phase(self.options.load_phase, is_prefill)
-        self.flags.set_(record=record, num_unpadded_tokens=num_tokens)
+        self.flags.set_(record=record, num_unpadded_tokens=EVERY_ROW if num_tokens is None else num_tokens)
 
     def logical_load(self) -> torch.Tensor:
         """[num_layers, num_logical] recorded load folded onto logical experts."""
@@ -174,16 +191,33 @@ class EplbHandle:
         """One process, synchronous: upstream's default policy on the recorded load, then for
         each layer move the expert weights locally and refresh its lookup in place.
 
-        Every new placement is validated before any weight moves, so a bad policy output
-        leaves the model exactly as it was. Returns the new placement [num_layers, num_physical].
+        A layer that recorded no load since the last placement keeps its placement (the
+        vision experts of a multimodal model under text-only traffic); with no load in any
+        layer, ``NoLoadRecordedError``. Every new placement is validated before any weight
+        moves, so a bad policy output leaves the model exactly as it was. Returns the new
+        placement [num_layers, num_physical].
         """
         from vllm.distributed.eplb.policy.default import DefaultEplbPolicy
 
+        load = self.logical_load()  # [num_layers, num_logical]
+        idle = load.sum(dim=1) == 0  # [num_layers]
+        self.check_load_recorded(idle)
         old = self.physical_to_logical()
-        new = DefaultEplbPolicy.rebalance_experts(
-            self.logical_load(), old.shape[1], 1, 1, self.options.ep_size, old
+        new = DefaultEplbPolicy.rebalance_experts(load, old.shape[1], 1, 1, self.options.ep_size, old)
+        return self.apply_placement(torch.where(idle[:, None], old, new.to(old.dtype)))
+
+    def check_load_recorded(self, idle: torch.Tensor) -> None:
+        """Refuses to balance on nothing: some layer must have recorded load since the last placement."""
+        if not bool(idle.all()):
+            return
+        if self.options.load_phase == "all":
+            hint = "run forwards first (each records every row unless set_batch narrowed it)"
+        else:
+            hint = f"load_phase={self.options.load_phase!r} records only batches announced with set_batch(is_prefill=...)"
+        raise NoLoadRecordedError(
+            f"no load recorded in any of the {len(self.layers)} MoE layers since the last placement: {hint}; "
+            f"a placement balanced on zero load would move experts for nothing"
         )
-        return self.apply_placement(new)
 
     def apply_placement(self, placements: torch.Tensor) -> torch.Tensor:
         """Installs a placement [num_layers, num_physical] (validated whole, first)."""
@@ -242,6 +276,7 @@ def enable(
     handle_id = next(_handle_ids)
     device = next(model.parameters()).device
     flags = BatchFlags(device)
+    flags.set_(record=load_phase == "all", num_unpadded_tokens=EVERY_ROW)  # until set_batch says otherwise
     layers = []
     for index, spec in enumerate(specs):
         placement = initial_placement(spec.num_experts, num_redundant_experts)
@@ -250,4 +285,5 @@ def enable(
         adapter.set_num_physical(spec, spec.num_experts + num_redundant_experts)
         tables = LayerLookup(spec.num_experts, spec.num_experts + num_redundant_experts, placement=placement, device=device)
         layers.append(EplbLayer(f"eplb{handle_id}.{index}", spec, tables, flags))
+        setattr(spec.experts, ENABLED_MARK, layers[-1].key)
     return EplbHandle(model, layers, flags, options)

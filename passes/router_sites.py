@@ -28,6 +28,10 @@ class RouterBinding:
     # path cannot tell them apart; then a node is router-internal only if its innermost
     # source frame lies in a file whose path contains this fragment.
     router_source: str | None = None
+    # Module path of the layer's routed experts. Nodes inside it are never router-internal,
+    # even where the router path encloses them (a MoE block that runs its own top-k and
+    # calls ``.experts``), and the verifier requires a mapped router wherever they run.
+    experts_path: str | None = None
 
 
 @dataclass
@@ -80,6 +84,8 @@ def innermost_source_file(node: fx.Node) -> str | None:
 def inside_router(node: fx.Node, binding: RouterBinding) -> bool:
     """Is the node part of the router's own computation (so it keeps logical ids)?"""
     if not inside_module(node, binding.router_path):
+        return False
+    if binding.experts_path is not None and inside_module(node, binding.experts_path):
         return False
     if binding.router_source is None:
         return True

@@ -6,7 +6,10 @@
        padding count read from 0-dim/1-element tensors on the layer's device;
     4. the op reads the live lookup of the right layer: by name for map_and_record_layer
        (resolved now, compared by identity with the owner's tables), or, for an explicit
-       map_and_record, from a graph input -- never a constant, get_attr or frozen copy.
+       map_and_record, from a graph input -- never a constant, get_attr or frozen copy;
+    5. where a layer's routed experts run in the graph (``RouterBinding.experts_path``),
+       its router top-k was found and mapped: experts never index physical weights with
+       logical ids because a router changed shape and the pass no longer recognised it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ from torch import fx
 from eplb_graph.custom_ops import LAYER_TABLES
 
 from .insert_routing import is_id_preserving, is_routing_node
-from .router_sites import RouterBinding, find_router_sites, inside_router, is_unattributed_router, topk_indices
+from .router_sites import (
+    RouterBinding,
+    find_router_sites,
+    inside_module,
+    inside_router,
+    is_unattributed_router,
+    topk_indices,
+)
 
 # Dynamo and fx.symbolic_trace record the overload packet, ATen graphs the overload.
 MAP_AND_RECORD = (torch.ops.eplb_graph.map_and_record, torch.ops.eplb_graph.map_and_record.default)
@@ -86,6 +96,18 @@ def _check_flags(report: VerifierReport, key: str, tensors, device: torch.device
             report.fail(f"layer {key}: {name} lives on {flag.device}, the lookup on {device}")
 
 
+def _check_experts_are_routed(report: VerifierReport, graph: fx.Graph, bindings: list[RouterBinding]) -> None:
+    for binding in bindings:
+        if binding.experts_path is None or binding.key in report.layers:
+            continue
+        runs = next((n for n in graph.nodes if n.op != "placeholder" and inside_module(n, binding.experts_path)), None)
+        if runs is not None:
+            report.fail(
+                f"experts {binding.experts_path} of {binding.key} run in this graph ({runs.name}) but no top-k "
+                f"of router {binding.router_path} over {binding.num_experts} experts with k={binding.top_k} was mapped"
+            )
+
+
 def verify(
     graph_module: fx.GraphModule | fx.Graph,
     bindings: list[RouterBinding],
@@ -133,6 +155,8 @@ def verify(
             if owner is not layer or any(a is not b for a, b in zip(tensors, owner.routing_tensors())):
                 report.fail(f"{node.name}: layer {key} resolves to tables other than its owner's live ones")
         _check_flags(report, key, tensors, tensors[0].device)
+
+    _check_experts_are_routed(report, graph, bindings)
 
     # Explicit map_and_record calls (user code): tables must be graph inputs, not constants.
     for node in graph.nodes:

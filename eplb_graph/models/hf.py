@@ -1,9 +1,10 @@
-"""Tiny random-weight Hugging Face MoE models, built in code (no download).
+"""Tiny random-weight Hugging Face MoE models of three families, built in code (no download).
 
-The experts run transformers' ``batched_mm`` implementation: it gathers expert weights by
-id with static shapes, so the model compiles with ``fullgraph=True`` and the router's
-top-k is visible to the pass. (The default "eager" experts loop over ``nonzero()``, a
-data-dependent shape that graph capture cannot hold.)
+The experts run transformers' ``batched_mm`` implementation unless asked otherwise: it
+gathers expert weights by id, so eager and compiled outputs agree bitwise, which the pass
+tests assert. transformers' default, ``grouped_mm``, works as well (``experts_implementation=
+"grouped_mm"``; eager and compiled then run different grouped-mm kernels). Every other
+family of the installed transformers is built by ``hf_families.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from torch import nn
 HF_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
 
 
-def tiny_hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: int = 2):
+def tiny_hf_config(
+    family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: int = 2, experts_implementation: str = "batched_mm"
+):
     import transformers
 
     common = dict(
@@ -43,7 +46,7 @@ def tiny_hf_config(family: str, *, num_experts: int = 8, top_k: int = 2, num_lay
         )
     else:
         raise ValueError(f"unknown Hugging Face family {family!r}; known: {', '.join(HF_FAMILIES)}")
-    config._experts_implementation = "batched_mm"
+    config._experts_implementation = experts_implementation
     config._attn_implementation = "sdpa"
     return config
 

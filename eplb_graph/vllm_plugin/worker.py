@@ -102,6 +102,7 @@ class VllmEplbWorker:
         self._wrap_runner_steps()
         if self.built_upstream_state and runner.eplb_state.is_async:
             runner.eplb_state.start_async_loop()
+        log_active(self)
 
     @property
     def layers(self) -> list[VllmMoELayer]:
@@ -165,3 +166,19 @@ class VllmEplbWorker:
             # tokens per physical expert upstream holds in its window (what the policy sees)
             "load_window_total": sum(int(s.expert_load_window.sum()) for s in self.runner.eplb_state.model_states.values()),
         }
+
+
+def log_active(worker: VllmEplbWorker) -> str:
+    """One line in vLLM's log per worker: eplb-graph took effect, how each layer is mapped, what records load."""
+    from vllm.logger import init_logger
+
+    eplb = worker.runner.parallel_config.eplb_config
+    mechanisms = ", ".join(f"{layer.key}: {layer.mapped_by}" for layer in worker.layers)
+    line = (
+        f"eplb-graph active on {worker.runner.device}: {len(worker.layers)} MoE layers bound ({mechanisms}); "
+        f"load phase: every batch of the last {eplb.window_size} steps before each rearrangement, every "
+        f"{eplb.step_interval} steps (upstream's window); {eplb.num_redundant_experts} redundant experts, "
+        f"{'async' if eplb.use_async else 'sync'} EPLB"
+    )
+    init_logger("vllm.eplb_graph").info(line)  # under "vllm.": vLLM's handler and format
+    return line

@@ -1,0 +1,159 @@
+"""The support matrix: every transformers MoE family through graph-mode EPLB (markdown + JSON out).
+
+Each family of the installed transformers whose experts use ``use_experts_implementation``
+is built tiny in code and run by ``eplb_graph.models.hf_check.check_family`` in its own
+process (a family that crashes or hangs costs its row, not the run): enable -> compile
+(aot_eager and Inductor, fullgraph) -> outputs against the logical model -> skewed load ->
+rearrange -> the same graph, no recompile.
+
+    python benchmarks/support_matrix.py --out docs/support-matrix.md --json out/support_matrix.json
+    python benchmarks/support_matrix.py --families qwen3_moe,mixtral --backends aot_eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROW_MARK = "MATRIX_ROW "
+STATUSES = ("works", "refused", "cannot-build", "failed")
+
+ROUTER_NOTES = """\
+## How each kind of router is handled
+
+- **Plain top-k** (softmax or sigmoid scores, `torch.topk` over the experts): the pass maps
+  the ids of that top-k; routing weights are left as the router computed them.
+- **Bias-corrected scores** (`e_score_correction_bias`, DeepSeek-V3 style): the top-k runs
+  over biased scores and the router then gathers the *unbiased* weights with the logical
+  ids. The gather stays inside the router and keeps logical ids; only the ids' users outside
+  the router (the experts) are rewired to physical ids.
+- **Grouped top-k** (`n_group` / `topk_group`): the router first takes a top-k over expert
+  groups, which is not an expert selection (its input is not `num_experts` wide); the pass
+  lists those top-k and maps only the last top-k over the experts with the layer's k.
+- **Shared experts**: dense MLPs every token runs; not routed, not moved, untouched.
+- **Dense layers** (dense-first schedules, `mlp_layer_types`, `decoder_sparse_step`): no
+  router, nothing bound; only layers with routed experts get tables.
+- **Top-k in the MoE block** (Jamba: the router is a plain `nn.Linear`, the block runs the
+  top-k): the block is the router path, and the experts module inside it is excluded from
+  the router, so the experts still get physical ids.
+- **Router at the decoder layer** (Gemma 4: `.router` and `.experts` are children of the
+  decoder layer): the router module is the router path as usual.
+- **Two routed-expert sets in one block** (ERNIE-4.5-VL: text and vision experts, each
+  with its router): both are bound. With text-only input the block never calls the vision
+  experts, so the compiled graph holds one mapped router of the two (*mapped 1/2*); the
+  vision layer records no load and `rearrange()` keeps its placement. Input with images
+  traces the vision path, whose router the pass then maps.
+- **Refused at `enable()`**: a router whose selection is not a `torch.topk` over the
+  experts (Phi-MoE's sparsemixer uses `max`), a top-k over `num_experts + 1` classes (a
+  "no expert" class, ZAYA), hash routing by token id (DeepSeek-V4's first layers), and any
+  experts implementation other than `grouped_mm` / `batched_mm`. Each is found before the
+  model is touched (``eplb_graph/router_probe.py`` runs the block once on a probe input and
+  checks that the experts receive exactly the ids of the top-k the pass will map).
+"""
+
+
+def run_one(family: str, backends: tuple[str, ...]) -> int:
+    from eplb_graph.models.hf_check import check_family
+
+    print(ROW_MARK + json.dumps(check_family(family, backends).as_dict()), flush=True)
+    return 0
+
+
+def run_in_child(family: str, backends: tuple[str, ...], timeout_s: int) -> dict:
+    command = [sys.executable, __file__, "--one", family, "--backends", ",".join(backends)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy())
+    except subprocess.TimeoutExpired:
+        return {"family": family, "status": "failed", "reason": f"timed out after {timeout_s} s", "backends": []}
+    rows = [line for line in done.stdout.splitlines() if line.startswith(ROW_MARK)]
+    if done.returncode != 0 or not rows:
+        tail = " ".join((done.stderr or done.stdout).split()[-60:])
+        return {"family": family, "status": "failed", "reason": f"exit {done.returncode}: {tail}", "backends": []}
+    return json.loads(rows[-1][len(ROW_MARK):])
+
+
+def diff_cell(row: dict, backend: str) -> str:
+    result = next((b for b in row["backends"] if b["backend"] == backend), None)
+    if result is None or result["max_abs_diff"] is None:
+        return ""
+    return f"{max(result['max_abs_diff'], result['max_abs_diff_after'] or 0.0):.1e}"
+
+
+def mapped_cell(row: dict) -> str:
+    if not row["backends"]:
+        return ""
+    verified = all(b["verified"] for b in row["backends"])
+    mapped = min(b["routers_mapped"] for b in row["backends"])
+    return f"{mapped}/{row['moe_layers']}{' verified' if verified else ' NOT verified'}"
+
+
+def markdown(rows: list[dict], backends: tuple[str, ...], versions: dict[str, str]) -> str:
+    counts = {status: sum(1 for r in rows if r["status"] == status) for status in STATUSES}
+    lines = [
+        "# Support matrix: transformers MoE families under graph-mode EPLB",
+        "",
+        f"Made with transformers {versions['transformers']}, torch {versions['torch']}, on CPU, by "
+        f"`python benchmarks/support_matrix.py` (each family built tiny in code, "
+        f"`eplb_graph/models/hf_families.py`; checked by `eplb_graph/models/hf_check.py`).",
+        "",
+        f"{len(rows)} families checked of the {versions['families']} that use `use_experts_implementation`: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES) + ".",
+        "",
+        "Per family: `enable(num_redundant_experts=4, ep_size=2)` -> `torch.compile(fullgraph=True)` with "
+        f"{' and '.join(backends)} -> output against the logical model in eager -> the load of that forward "
+        "(skewed tokens) -> `rearrange()` -> the same graph again with recompiles an error. *mapped* is routers "
+        "mapped / MoE layers and the verifier's verdict; *max abs diff* the larger of the two forwards "
+        "(the default `grouped_mm` runs different kernels eager and compiled).",
+        "",
+        f"| family | model built | router | experts | mapped | {' | '.join(f'max abs diff {b}' for b in backends)} | result |",
+        "| --- " * (6 + len(backends)) + "|",
+    ]
+    for row in rows:
+        reason = row["reason"].replace("|", "\\|")
+        result = row["status"] if not reason else f"{row['status']}: {reason}"
+        cells = [row["family"], f"`{row.get('model_class', '')}`" if row.get("model_class") else "", row.get("router", ""),
+                 row.get("implementation", ""), mapped_cell(row), *(diff_cell(row, b) for b in backends), result]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + ROUTER_NOTES
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", default="", help="comma-separated subset (default: every MoE family)")
+    parser.add_argument("--backends", default="aot_eager,inductor")
+    parser.add_argument("--out", default="docs/support-matrix.md")
+    parser.add_argument("--json", default="out/support_matrix.json")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per family")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # child mode: one family, one JSON line
+    args = parser.parse_args()
+    backends = tuple(b for b in args.backends.split(",") if b)
+    if args.one:
+        return run_one(args.one, backends)
+
+    import torch
+    import transformers
+
+    from eplb_graph.models.hf_families import moe_families
+
+    known = moe_families()
+    families = [f for f in args.families.split(",") if f] or list(known)
+    unknown = sorted(set(families) - set(known))
+    if unknown:
+        parser.error(f"not MoE families of this transformers: {', '.join(unknown)}")
+    rows = []
+    for family in families:
+        rows.append(run_in_child(family, backends, args.timeout))
+        print(f"{family}: {rows[-1]['status']}", file=sys.stderr, flush=True)
+    versions = {"transformers": transformers.__version__, "torch": torch.__version__, "families": len(known)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(markdown(rows, backends, versions))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"versions": versions, "backends": backends, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""vLLM's OpenAI server with the plugin, started exactly as docs/quickstart-hf.md says, on a local
+random checkpoint with a tokenizer: completions equal EPLB off, and each worker logs that
+graph-mode EPLB is active. Two servers (EPLB on and off) start side by side."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.eplb_graph.quickstart_blocks import quickstart_blocks
+
+pytest.importorskip("vllm")
+
+SECTION = "vLLM"
+EPLB_FLAGS = ("--enable-expert-parallel", "--enable-eplb", "--eplb-config")
+START_TIMEOUT_S = 480
+# No compile caches: a cache hit would serve a graph without running the pass (see test_engine.py).
+NO_CACHES = {"VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_argv(command: str, *, eplb: bool) -> tuple[dict[str, str], list[str]]:
+    """The quickstart's server command as (leading VAR=value assignments, argv); EPLB flags dropped for off."""
+    tokens = shlex.split(command.replace("\\\n", " "))
+    env = {}
+    while "=" in tokens[0] and not tokens[0].startswith("-"):
+        name, value = tokens.pop(0).split("=", 1)
+        env[name] = value
+    argv = []
+    skip_value = False
+    for token in tokens:
+        if skip_value:
+            skip_value = False
+            continue
+        if not eplb and token in EPLB_FLAGS:
+            skip_value = token == "--eplb-config"
+            continue
+        argv.append(token)
+    return env, argv
+
+
+def expand(argv: list[str], values: dict[str, str]) -> list[str]:
+    out = []
+    for token in argv:
+        for name, value in values.items():
+            token = token.replace(f"${name}", value)
+        out.append(sys.executable if token == "python" else token)
+    return out
+
+
+def start_server(command: str, model_dir: Path, log: Path, *, eplb: bool) -> SimpleNamespace:
+    port = str(free_port())
+    env_assignments, argv = server_argv(command, eplb=eplb)
+    env = {**os.environ, **NO_CACHES, **env_assignments, "MODEL_DIR": str(model_dir), "PORT": port}
+    handle = log.open("w")
+    process = subprocess.Popen(
+        expand(argv, {"MODEL_DIR": str(model_dir), "PORT": port}), env=env, stdout=handle, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    return SimpleNamespace(process=process, port=port, log=log, log_handle=handle, env=env)
+
+
+def wait_until_ready(server: SimpleNamespace) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            pytest.fail(f"server exited with {server.process.returncode}:\n{server.log.read_text()[-6000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)  # polling the health endpoint, not waiting for a fixed time
+    pytest.fail(f"server not ready in {START_TIMEOUT_S} s:\n{server.log.read_text()[-6000:]}")
+
+
+def stop(server: SimpleNamespace) -> None:
+    if server.process.poll() is None:
+        os.killpg(server.process.pid, 15)  # the group this test started (vLLM's engine-core child included)
+        try:
+            server.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.process.pid, 9)
+            server.process.wait()
+    server.log_handle.close()
+
+
+def completion(server: SimpleNamespace, model_dir: Path, prompt: str, max_tokens: int) -> dict:
+    body = json.dumps({"model": str(model_dir), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("server")
+    write_checkpoint, = quickstart_blocks(SECTION, "python")
+    serve, curl = quickstart_blocks(SECTION, "bash")
+    model_dir = workdir / "tiny-qwen3-moe"
+    argv = sys.argv
+    sys.argv = ["quickstart", str(model_dir)]
+    try:
+        exec(compile(write_checkpoint, "quickstart-hf.md[checkpoint]", "exec"), {"__name__": "quickstart"})
+    finally:
+        sys.argv = argv
+    started = {name: start_server(serve, model_dir, workdir / f"{name}.log", eplb=name == "on") for name in ("on", "off")}
+    try:
+        for server in started.values():
+            wait_until_ready(server)
+        results = {}
+        for name, server in started.items():
+            quick = subprocess.run(["bash", "-c", curl], env=server.env, capture_output=True, text=True, timeout=300)
+            assert quick.returncode == 0, quick.stderr
+            longer = [completion(server, model_dir, f"w{5 + i} w{17 * i % 500 + 3} w{40 + 3 * i} w7", 48) for i in range(3)]
+            results[name] = {"quickstart": json.loads(quick.stdout), "longer": longer}
+    finally:
+        for server in started.values():
+            stop(server)
+    for name, server in started.items():
+        results[name]["log"] = server.log.read_text()
+    return results
+
+
+def texts(response: dict) -> list[str]:
+    return [choice["text"] for choice in response["choices"]]
+
+
+def test_completions_are_identical_with_eplb_on_and_off(servers):
+    on, off = servers["on"], servers["off"]
+    assert texts(on["quickstart"]) == texts(off["quickstart"])
+    assert len(texts(on["quickstart"])[0].split()) == 16  # the tokenizer decodes every generated id
+    assert [texts(r) for r in on["longer"]] == [texts(r) for r in off["longer"]]
+    assert len({word for r in off["longer"] for text in texts(r) for word in text.split()}) >= 20
+
+
+def test_each_worker_logs_that_graph_mode_eplb_is_active_and_upstream_rearranged(servers):
+    log = servers["on"]["log"]
+    active = [line for line in log.splitlines() if "eplb-graph active on cpu" in line]
+    assert len(active) == 1, log[-4000:]  # one worker (one process: EP > 1 is refused on CPU)
+    assert "2 MoE layers bound" in active[0] and active[0].count(": graph_pass") == 2
+    assert "load phase: every batch of the last 4 steps before each rearrangement, every 8 steps" in active[0]
+    assert log.count("Rearranging experts (async mode)") >= 3
+    assert "eplb-graph active" not in servers["off"]["log"]
+
+
+def test_the_active_line_names_each_layer_and_mechanism():
+    from eplb_graph.vllm_plugin.worker import log_active
+
+    eplb = SimpleNamespace(window_size=10, step_interval=30, num_redundant_experts=2, use_async=True)
+    runner = SimpleNamespace(device="cpu", parallel_config=SimpleNamespace(eplb_config=eplb))
+    layers = [SimpleNamespace(key="model.layers.0.mlp.experts", mapped_by="graph_pass"),
+              SimpleNamespace(key="model.layers.1.mlp.experts", mapped_by="router_adapter")]
+    line = log_active(SimpleNamespace(runner=runner, layers=layers))
+    assert line.startswith("eplb-graph active on cpu: 2 MoE layers bound (model.layers.0.mlp.experts: graph_pass, "
+                           "model.layers.1.mlp.experts: router_adapter)")
+    assert "last 10 steps before each rearrangement, every 30 steps" in line and "2 redundant experts, async EPLB" in line
