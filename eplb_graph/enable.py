@@ -30,7 +30,7 @@ from torch import fx, nn
 from eplb_graph.adapter_base import ENABLED_MARK
 from eplb_graph.adapters import DEFAULT_ADAPTERS, MoEAdapter, MoELayerSpec, find_moe_layers
 from eplb_graph.layer_lookup import BatchFlags, LayerLookup, RoutedLayer, batch_in_load_phase, check_load_phase
-from eplb_graph.placement import initial_placement, validate_placement
+from eplb_graph.placement import check_expert_layout, initial_placement, validate_layer_placements
 from eplb_graph.passes.inductor_pass import EplbPostGradPass, torchair_backend, vllm_inductor_pass
 from eplb_graph.passes.insert_routing import RoutingPassResult, insert_eplb_routing
 from eplb_graph.passes.router_sites import RouterBinding
@@ -188,8 +188,11 @@ class EplbHandle:
         return torch.stack([layer.tables.physical_to_logical for layer in self.layers])
 
     def rearrange(self) -> torch.Tensor:
-        """One process, synchronous: upstream's default policy on the recorded load, then for
-        each layer move the expert weights locally and refresh its lookup in place.
+        """The one-process path for a model with no vLLM engine (a PyTorch or Hugging Face user,
+        the demo, the tests): upstream's ``DefaultEplbPolicy`` on the recorded load, then, for
+        each layer, the expert weights moved locally and the lookup refreshed in place. Under
+        vLLM the placement is upstream's ``EplbState``'s, through the plugin; this handle's
+        tables are the state here because nothing else holds one.
 
         A layer that recorded no load since the last placement keeps its placement (the
         vision experts of a multimodal model under text-only traffic); with no load in any
@@ -223,10 +226,8 @@ class EplbHandle:
         """Installs a placement [num_layers, num_physical] (validated whole, first)."""
         if placements.dim() != 2 or placements.shape[0] != len(self.layers):
             raise ValueError(f"placement must be [num_layers={len(self.layers)}, num_physical], got {tuple(placements.shape)}")
-        checked = [
-            validate_placement(p, layer.tables.num_logical_experts, layer.tables.num_physical_experts, layer.tables.max_replicas)
-            for layer, p in zip(self.layers, placements)
-        ]
+        validate_layer_placements(placements, [layer.tables for layer in self.layers])  # all, before any move
+        checked = placements.to("cpu", torch.int64)
         for layer, placement in zip(self.layers, checked):
             # source slot for each new slot: the first old replica of its logical expert
             source = layer.tables.lookup[placement.to(layer.lookup.device), 0].long()  # [num_physical]
@@ -236,7 +237,7 @@ class EplbHandle:
             layer.tables.refresh_(placement)
             layer.tables.reset_load_()
         self.rearrangements += 1
-        return torch.stack(checked)
+        return checked
 
     def close(self) -> None:
         for layer in self.layers:
@@ -262,12 +263,11 @@ def enable(
     adapter, specs = find_moe_layers(model, adapters)
     for spec in specs:  # every check before the first weight is touched
         adapter.check_supported(spec)
-        num_physical = spec.num_experts + num_redundant_experts
-        if num_physical % ep_size:
-            raise ValueError(
-                f"{spec.name}: {num_physical} physical experts ({spec.num_experts} logical + "
-                f"{num_redundant_experts} redundant) do not divide over ep_size={ep_size}"
-            )
+        try:  # the one check of an expert layout, worded for this layer
+            check_expert_layout(spec.num_experts, num_redundant_experts, spec.top_k, ep_size)
+        except ValueError as error:
+            raise ValueError(f"{spec.name} ({spec.num_experts} logical + {num_redundant_experts} redundant experts, "
+                             f"ep_size={ep_size}): {error}") from None
         for name in spec.expert_param_names:
             leading = getattr(spec.experts, name).shape[0]
             if leading != spec.num_experts:
