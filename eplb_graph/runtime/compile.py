@@ -35,7 +35,8 @@ def prepare_forward(model, cfg: RunConfig, rank_layers, records: list):
     for index, block in enumerate(model.layers):
         if block.mlp.layer_key is not None:
             block.mlp.route_in_module = False  # the pass inserts the routing op instead
-            bindings.append(RouterBinding(block.mlp.layer_key, f"layers.{index}.mlp.gate", cfg.num_experts, cfg.top_k))
+            bindings.append(RouterBinding(block.mlp.layer_key, f"layers.{index}.mlp.gate", cfg.num_experts, cfg.top_k,
+                                          experts_path=f"layers.{index}.mlp.experts"))
     live = {layer.key: layer for layer in rank_layers}
     inner = inductor_with_cpp_wrapper if cfg.cpp_wrapper else cfg.backend
     backend = make_eplb_backend(bindings, inner, records, live.__getitem__)
