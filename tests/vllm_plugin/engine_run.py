@@ -34,7 +34,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from tiny_model import write_tiny_qwen3_moe_checkpoint  # beside this script, which runs as __main__
+    from eplb_graph.models.tiny_checkpoint import write_tiny_qwen3_moe_checkpoint
 
     model_dir = write_tiny_qwen3_moe_checkpoint(tempfile.mkdtemp(prefix="eplb-graph-qwen3moe-"))
     kwargs = dict(

@@ -21,7 +21,7 @@ from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 
 from eplb_graph.vllm_plugin.config_gate import EplbConfigError  # noqa: E402
 from eplb_graph.vllm_plugin.graph_pass import VllmEplbPass  # noqa: E402
-from tests.vllm_plugin.tiny_model import write_tiny_qwen3_moe  # noqa: E402
+from eplb_graph.models.tiny_checkpoint import write_tiny_qwen3_moe  # noqa: E402
 
 EPLB = {"window_size": 4, "step_interval": 8, "num_redundant_experts": 2}
 

@@ -1,5 +1,7 @@
 """A tiny random-weight Qwen3-MoE checkpoint for vLLM on CPU, written locally (no download).
 
+The model of docs/quickstart-hf.md's vLLM server and of the plugin's engine tests.
+
 vLLM's CPU attention needs head_dim 64 (16 is refused). ``write_tiny_qwen3_moe`` writes the
 config only (for ``load_format="dummy"``); ``write_tiny_qwen3_moe_checkpoint`` also writes
 seeded random safetensors weights. Tests that compare tokens use the checkpoint: vLLM's
