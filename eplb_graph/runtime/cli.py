@@ -76,7 +76,7 @@ def _run_config(args: argparse.Namespace, **overrides):
         expert_intermediate=args.intermediate, shared_expert_intermediate=args.intermediate,
         decode_tokens=args.decode_tokens, prefill_tokens=args.prefill_tokens, capture_sizes=args.capture_sizes,
         policy_process=args.policy_process, expert_kernel=args.expert_kernel, cpp_wrapper=args.cpp_wrapper,
-        threads=args.threads,
+        threads=args.threads, stall_steps=args.stall_steps, stall_seconds=args.stall_seconds,
     )
     fields.update(overrides)
     config = RunConfig(**fields)
@@ -229,6 +229,11 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode:
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="torch intra-op threads per rank (default: on the host, the machine's cores shared among "
                              "its ranks; on a GPU, 1, as vLLM's GPU worker serves); the reports record the count used")
+    parser.add_argument("--stall-steps", type=int, default=1000, metavar="N",
+                        help="a rearrangement in flight this many steps with no layer committed is a stall (reported, "
+                             "and the run fails; the last committed placement keeps serving)")
+    parser.add_argument("--stall-seconds", type=float, default=300.0, metavar="S",
+                        help="the same bound in seconds (whichever comes first)")
     parser.add_argument("--policy-process", action="store_true",
                         help="run upstream's rebalancing policy in a helper process per rank, off the serving GIL")
     parser.add_argument("--out", default="out")

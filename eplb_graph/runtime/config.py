@@ -15,6 +15,7 @@ import torch
 from eplb_graph.models.reference import ReferenceMoEConfig
 from eplb_graph.placement import check_expert_layout
 from eplb_graph.runtime.workload import WorkloadSpec
+from eplb_graph.upstream.watchdog import StallBound
 
 MODES = ("eager", "compiled", "graph")
 DEVICES = ("cpu", "cuda", "npu")
@@ -54,6 +55,11 @@ class RunConfig:
     collect_load_stats: bool = True  # all-reduce the load each step for balancedness (off in bench)
     policy_process: bool = False  # upstream's policy in a helper process per rank (off the GIL)
     threads: int | None = None  # torch intra-op threads per rank; None: see rank_threads
+    stall_steps: int = 1000  # a rearrangement with no layer committed for longer is a stall (watchdog)
+    stall_seconds: float = 300.0
+
+    def stall_bound(self) -> StallBound:
+        return StallBound(max_steps=self.stall_steps, max_seconds=self.stall_seconds)
 
     @property
     def output_tolerance(self) -> float:
@@ -129,6 +135,7 @@ class RunConfig:
             check_cpp_wrapper(self.device, self.backend, self.ranks)
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 per rank, got {self.threads}")
+        self.stall_bound().validate(("--stall-steps", "--stall-seconds", "on_stall"))
 
 
 def collectives_refuse_cpp_wrapper() -> bool:

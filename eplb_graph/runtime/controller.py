@@ -24,6 +24,7 @@ import torch
 
 from eplb_graph.layer_lookup import BatchFlags, LayerLookup, RoutedLayer, batch_in_load_phase, check_load_phase
 from eplb_graph.upstream.binding import BindingStats, UpstreamBinding
+from eplb_graph.upstream.watchdog import StallBound
 
 
 class EplbPeerLostError(RuntimeError):
@@ -81,6 +82,7 @@ class EplbController:
         device: torch.device | str = "cpu",
         model_name: str = "moe",
         policy_process: bool = False,
+        stall_bound: StallBound | None = None,
     ) -> None:
         """Window size and step interval are upstream's: the current vLLM config's ``eplb_config``.
 
@@ -112,7 +114,7 @@ class EplbController:
         self.ep_rank = get_ep_group().rank_in_group
         self.ep_size = get_ep_group().world_size
 
-        self.binding = UpstreamBinding(device)  # before EplbState: it constructs events and starts the worker
+        self.binding = UpstreamBinding(device, stall_bound)  # before EplbState: it constructs events and starts the worker
         self.policy_process = None
         try:  # a failure below leaves no patch installed and no helper running
             self.model_key = ModelKey(model_name)
@@ -152,6 +154,7 @@ class EplbController:
         """After a forward: every rank steps upstream (window, rearrangement, layer commits)."""
         self.check_worker()
         self.state.step()
+        self.binding.after_step(in_flight=self.rebalancing, where=f"on EP rank {self.ep_rank}")
         # at most one rearrangement is in flight: every one started has finished, is in
         # flight now, or was stopped early (a drain), which max() keeps counted
         in_flight = int(bool(self.model_state.rebalanced))

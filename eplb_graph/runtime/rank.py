@@ -43,6 +43,7 @@ class RankResult:
     layers_committed: int = 0
     rearrangements_started: int = 0
     rearrangements_finished: int = 0
+    rearrangement_stalls: int = 0  # rearrangements in flight past the watchdog's bound with no layer committed
     output_mismatches: int = 0
     first_mismatch_step: int | None = None
     first_mismatch_during_rearrangement: bool | None = None  # a rearrangement in flight at that step
@@ -177,6 +178,7 @@ class RankRun:
             result.layers_committed = controller.stats.layers_committed
             result.rearrangements_started = controller.stats.rearrangements_started
             result.rearrangements_finished = controller.stats.rearrangements_finished
+            result.rearrangement_stalls = controller.binding.rearrangement_stalls
         self.stack.close()
         return result
 

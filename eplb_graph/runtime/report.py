@@ -88,6 +88,7 @@ def summarize(cfg, results: list[dict]) -> dict:
         "rearrangements": min(r["rearrangements_finished"] for r in results),
         "rearrangements_started": min(r["rearrangements_started"] for r in results),
         "layers_committed": min(r["layers_committed"] for r in results),
+        "rearrangement_stalls": max(r["rearrangement_stalls"] for r in results),
         "output_mismatches": sum(r["output_mismatches"] for r in results),
         **first_mismatch(results),
         "nonfinite_output_steps": sum(r["nonfinite_output_steps"] for r in results),
@@ -134,6 +135,9 @@ def failed_invariants(report: dict) -> list[str]:
             f"(first at step {report['first_mismatch_step']}, {where})"
             + (f"; {nonfinite} of them with NaN/Inf where the reference is finite" if nonfinite else "")
         )
+    if report["rearrangement_stalls"]:
+        problems.append(f"{report['rearrangement_stalls']} rearrangement(s) stalled: in flight past the watchdog's "
+                        f"bound with no layer committed")
     if report["recompiles"]:
         problems.append(f"{report['recompiles']} recompile(s) after warm-up")
     if report["recaptures"]:

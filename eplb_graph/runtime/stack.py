@@ -165,5 +165,6 @@ def build_rank_stack(cfg: RunConfig, rank: int, ep_size: int, group, *, load_pha
     controller = None
     if cfg.eplb:
         controller = EplbController(models.rank_layers, load_phase=load_phase, transfer_timeout_s=transfer_timeout_s,
-                                    device=rank_device(cfg), policy_process=cfg.policy_process)
+                                    device=rank_device(cfg), policy_process=cfg.policy_process,
+                                    stall_bound=cfg.stall_bound())
     return RankStack(cfg, rank, ep_size, models, controller)

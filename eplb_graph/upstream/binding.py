@@ -11,7 +11,8 @@ plugin's worker:
 * at each of upstream's commit points, every committed layer routes by upstream's committed
   placement from then on (``commit_placement_``), after upstream commits it and before it
   acknowledges the staging buffer (invariants 3 and 6);
-* it counts what committed, and surfaces a dead async worker (upstream's only logs it).
+* it counts what committed, and surfaces a dead async worker (upstream's only logs it) and a
+  stalled one (``watchdog.StallWatchdog``: in flight too long with no layer committed).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from eplb_graph.layer_lookup import LayerLookup
 from eplb_graph.placement import validate_layer_placements
 from eplb_graph.upstream.capability import UpstreamCapabilityAdapter, ends_rearrangement
+from eplb_graph.upstream.watchdog import StallBound, StallWatchdog
 
 
 class BoundLayer(Protocol):
@@ -47,8 +49,9 @@ class BindingStats:
 class UpstreamBinding:
     """Our layers under upstream's EPLB state machine, for one process (see the module docstring)."""
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, stall_bound: StallBound | None = None) -> None:
         self.stats = BindingStats()
+        self.watchdog = StallWatchdog(stall_bound or StallBound())  # validated before any patch goes in
         self._layers: dict[int, list[BoundLayer]] = {}  # id(upstream model) -> its layers, upstream's order
         self.adapter = UpstreamCapabilityAdapter(
             torch.device(device), commit_hook=self._after_commit, placement_check=self._check_placements
@@ -98,6 +101,15 @@ class UpstreamBinding:
     def check_worker(self, where: str) -> None:
         """Raises ``EplbWorkerError`` on the main thread if upstream's async worker died."""
         self.adapter.health.raise_if_dead(where)
+
+    def after_step(self, *, in_flight: bool, where: str) -> None:
+        """After each of upstream's steps: a rearrangement in flight too long with no layer
+        committed is a stall (warned or raised, per the bound's ``on_stall``, and counted)."""
+        self.watchdog.observe(in_flight=in_flight, layers_committed=self.stats.layers_committed, where=where)
+
+    @property
+    def rearrangement_stalls(self) -> int:
+        return self.watchdog.stalls
 
     def close(self) -> None:
         self.adapter.uninstall()

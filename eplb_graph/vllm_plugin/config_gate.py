@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 
-# vllm-ascend Model Runner V1 EPLB controls (``additional_config``); the upstream control
-# plane we build on is configured by ``eplb_config`` and the two cannot be mixed.
+from eplb_graph.upstream.watchdog import stall_bound_from_env
+
 LEGACY_EPLB_CONTROLS = (
     "dynamic_eplb",
     "expert_map_path",
@@ -71,6 +72,10 @@ def check_eplb_request(engine_args, *, on_cpu: bool) -> None:
                 f"expert parallel over {ep_size} processes on CPU: vLLM's CPU fused-MoE kernel ignores the expert "
                 f"map and crashes (cpu_fused_moe.cpp); use one process with num_redundant_experts"
             )
+    try:
+        stall_bound_from_env(os.environ)  # the workers read it again; a bad value is named here, at start
+    except ValueError as error:
+        problems.append(f"the stall watchdog's bound: {error}")
     if problems:
         raise EplbConfigError("eplb-graph cannot serve this EPLB request:\n  " + "\n  ".join(problems))
 

@@ -17,9 +17,12 @@ forward, ``eplb_step`` after). This object only connects the boundaries:
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from eplb_graph.upstream.binding import UpstreamBinding
+from eplb_graph.upstream.watchdog import stall_bound_from_env
 
 from . import router_adapter
 from .layers import GRAPH_PASS, ROUTER_ADAPTER, VllmMoELayer
@@ -67,7 +70,8 @@ class VllmEplbWorker:
 
         self.runner = runner
         parallel_config = runner.parallel_config
-        self.binding = UpstreamBinding(runner.device)  # before EplbState: it constructs events and starts the worker
+        # before EplbState (it constructs events and starts the worker); the bound was checked at engine start
+        self.binding = UpstreamBinding(runner.device, stall_bound_from_env(os.environ))
         self.built_upstream_state = runner.eplb_state is None
         if self.built_upstream_state:
             moe_model = get_mixture_of_experts_model(runner.model)
@@ -124,6 +128,8 @@ class VllmEplbWorker:
         def eplb_step(*args, **kwargs):
             upstream_step(*args, **kwargs)
             self.check_worker()
+            in_flight = any(state.rebalanced for state in runner.eplb_state.model_states.values())
+            self.binding.after_step(in_flight=in_flight, where=f"of vLLM runner on {runner.device}")
 
         runner.eplb_step = eplb_step
         if upstream_warm_up is not None:
@@ -161,6 +167,7 @@ class VllmEplbWorker:
             "rearrangements_committed": self.stats.rearrangements_finished,
             "placement_changes": self.stats.placement_changes,
             "rejected_placements": list(self.binding.rejected_placements),
+            "rearrangement_stalls": self.binding.rearrangement_stalls,
             "worker_error": None if self.binding.worker_error is None else repr(self.binding.worker_error),
             "built_upstream_state": self.built_upstream_state,
             # tokens per physical expert upstream holds in its window (what the policy sees)

@@ -281,3 +281,41 @@ def failed_controller_leaves_upstream_unpatched(rank, world_size, init_method):
         "restored": all(getattr(module, name) is original for (module, name), original in originals.items()),
         "worker_event_restored": async_worker.CpuGpuEvent.__module__.startswith("vllm."),
     }
+
+
+def stalled_worker(rank, world_size, init_method, stall_steps, release_at):
+    """Upstream's async worker blocks inside its transfer (stalls, does not die) until step
+    `release_at`: the watchdog must count the stall while the committed placement serves on."""
+    import threading
+    import warnings
+
+    from eplb_graph import mover
+    from eplb_graph.upstream.watchdog import EplbStallWarning
+
+    cfg, context = _setup(rank, world_size, init_method, stall_steps=stall_steps)
+    released, execute = threading.Event(), mover.GlooStagedCommunicator.execute
+
+    def execute_when_released(self):
+        released.wait(600)  # bounded: the test releases it
+        return execute(self)
+
+    mover.GlooStagedCommunicator.execute = execute_when_released
+    with context, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", EplbStallWarning)
+        stack = _stack(cfg, rank, world_size)
+        stalls_before_release, committed_before_release = None, None
+        for step in range(release_at + 40):
+            if step == release_at:
+                stalls_before_release = stack.controller.binding.rearrangement_stalls
+                committed_before_release = stack.controller.stats.layers_committed
+                released.set()
+            stack.step(_batch(cfg, step, rank))
+        stack.close()
+    return {
+        "stalls_before_release": stalls_before_release,
+        "committed_before_release": committed_before_release,
+        "committed_after_release": stack.controller.stats.layers_committed,
+        "stall_warnings": [str(w.message) for w in caught if issubclass(w.category, EplbStallWarning)],
+        "max_abs_diff": max(stack.max_abs_diff),
+        "weights_match_lookup": stack.local_weights_match_placement(),
+    }

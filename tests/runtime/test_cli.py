@@ -40,6 +40,8 @@ def no_launch(monkeypatch):
                                                        "intermediate size 33"),
         (["--cpp-wrapper", "--ranks", "1", "--mode", "eager"], "--cpp-wrapper applies to what Inductor compiles"),
         (["--threads", "0"], "threads must be >= 1 per rank, got 0"),
+        (["--stall-steps", "0"], "--stall-steps must be an int >= 1, got 0"),
+        (["--stall-seconds", "0"], "--stall-seconds must be > 0, got 0.0"),
     ],
 )
 def test_bad_input_fails_before_any_process_starts(args, message, capsys, tmp_path, no_launch):

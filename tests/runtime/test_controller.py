@@ -78,3 +78,17 @@ def test_invalid_policy_output_is_rejected_before_any_byte_moves():
         assert result["unchanged"]
         assert result["bytes_moved"] == 0
         assert result["max_abs_diff"] == 0.0
+
+
+def test_a_worker_that_stalls_is_surfaced_while_the_committed_placement_serves():
+    """The worker blocks in its first transfer (it stalls, it does not die): after the bound the
+    watchdog warns once per rank and counts it; outputs stay exact on the committed placement;
+    released, the rearrangement commits."""
+    results = run_ranks(multirank_cases.stalled_worker, 2, 10, 40, timeout_s=240)
+    for result in results:
+        assert result["committed_before_release"] == 0 and result["stalls_before_release"] == 1
+        [warning] = result["stall_warnings"]
+        assert "stalled: in flight for 11 steps" in warning and "last committed placement keeps serving" in warning
+        assert result["max_abs_diff"] == 0.0 and result["weights_match_lookup"]
+        assert result["committed_after_release"] >= 2  # released, the layers committed
+

@@ -31,7 +31,7 @@ def test_without_eplb_places_logical_experts_contiguously():
 def test_failed_invariants_name_each_problem():
     report = {"output_mismatches": 2, "first_mismatch_step": 41, "first_mismatch_during_rearrangement": True,
               "nonfinite_output_steps": 1, "recompiles": 1, "recaptures": 0, "verifier_ok": False, "mode": "compiled",
-              "num_physical_experts": 20, "eplb": True, "routers_mapped": 1, "num_layers": 2}
+              "num_physical_experts": 20, "eplb": True, "routers_mapped": 1, "num_layers": 2, "rearrangement_stalls": 1}
     problems = failed_invariants(report)
     assert ("2 step(s) whose output differs from the no-EPLB reference (first at step 41, during a rearrangement); "
             "1 of them with NaN/Inf where the reference is finite") in problems
@@ -40,7 +40,8 @@ def test_failed_invariants_name_each_problem():
     assert any("1 recompile(s)" in p for p in problems)
     assert any("verifier failed" in p for p in problems)
     assert any("mapped 1 of 2 routers" in p for p in problems)
-    clean = dict(report, output_mismatches=0, recompiles=0, verifier_ok=True, routers_mapped=2)
+    assert any("1 rearrangement(s) stalled" in p for p in problems)
+    clean = dict(report, output_mismatches=0, recompiles=0, verifier_ok=True, routers_mapped=2, rearrangement_stalls=0)
     assert failed_invariants(clean) == []
 
 

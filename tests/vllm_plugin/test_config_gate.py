@@ -104,6 +104,12 @@ def test_unsupported_combinations_are_refused_by_name_before_anything_starts(mod
     assert (args.enable_eplb, args.eplb_config) == before  # the request is left as the user gave it
 
 
+def test_a_stall_bound_that_is_not_one_is_refused_at_engine_start_naming_the_variable(model_dir, monkeypatch):
+    monkeypatch.setenv("EPLB_GRAPH_STALL_STEPS", "0")
+    with pytest.raises(EplbConfigError, match="EPLB_GRAPH_STALL_STEPS must be an int >= 1, got 0"):
+        eplb_args(model_dir).create_engine_config()
+
+
 @pytest.mark.launches
 def test_without_the_plugin_vllm_refuses_eplb_on_cpu(model_dir):
     """What the plugin lifts is real: the same request fails in upstream vLLM alone."""
