@@ -1,7 +1,13 @@
 """The two expert kernels' indexing, shared by every weight format (``weight_views``).
 
     pairs   (ids given) row s of x [S, I] through expert expert_ids[s] -> [S, O]
-    dense   (no ids) x [N, I] through every local expert -> [E, N, O]
+            (gpt-fast's decode kernel): work grows with the (token, k) pairs, not with the
+            slots, as in a fused MoE kernel, but every pair gathers its expert's weights,
+            which is what makes width expensive
+    dense   (no ids) x [N, I] through every local expert -> [E, N, O], the caller picking
+            the rows its routing chose: each expert's weights read once, faster at width
+            (``eplb-graph bench --expert-kernel dense`` measures it), but work grows with the
+            local slots, so redundant experts cost compute a fused kernel would not spend
 
 Both keep every shape static (capture needs them). A format's ``forward`` asks ``kernel``
 for the indexing and applies its own arithmetic (dequantisation, scales) in between.

@@ -10,7 +10,7 @@ tensors' storage at capture and checks the fingerprint before each replay, or, w
 caller says so (``check_addresses_on_replay=False``), whenever it calls ``check_addresses``
 between steps: reading every weight's address is host work a timed replay should not
 carry. A changed address means the graph would read a stale tensor, so that size is
-captured again and counted in ``recaptures`` (which the runner requires to stay 0).
+captured again and counted in ``recaptures`` (``runtime/report.failed_invariants`` fails a run on any).
 
 Warm-up runs execute the routing op for real, so recording is switched off for them (the
 flag is restored after): a capture must not add load that no batch produced.

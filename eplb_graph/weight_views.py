@@ -7,22 +7,9 @@ Its ``forward`` (a plain torch reference kernel) reads the very same tensors, so
 moved expert is what the next forward computes with. ``dequantized()`` recovers float
 weights for comparisons.
 
-Two kernels (``expert_kernels``), both with static shapes (capture needs them), picked by ``expert_ids``:
-
-    pairs   (ids given) each (token, k) pair through its own expert's gathered weights,
-            [S, H] -> [S, H] (gpt-fast's decode kernel): work grows with the pairs, not
-            with the slots, as in a fused MoE kernel, but every pair copies 3 * I * H
-            weights, which is what makes width expensive
-    dense   (no ids) every local expert on every token as batched GEMMs, [N, H] -> [E, N, H],
-            the caller picking the rows its routing chose: each expert's weights read once,
-            much faster at width (``eplb-graph bench --expert-kernel dense``), but work grows
-            with the local slots, so redundant experts cost compute a fused kernel would not
-            spend
-
-Each is exact against itself across batches: a pair's matvec does not depend on how many
-pairs run beside it, nor a GEMM row on how many rows (from 2 pairs and 4 rows; smaller
-batches are padded, see MIN_GEMM_ROWS and MIN_BMM_BATCH; checked in the tests), which keeps the EP model, on
-all ranks' tokens, exactly equal to the one-process reference on its own.
+Both expert kernels (``expert_kernels``: ``pairs`` with ids given, ``dense`` without) keep
+shapes static and are exact against themselves across batch sizes, which keeps the EP model,
+on all ranks' tokens, exactly equal to the one-process reference on its own.
 
     unquantized   w13 [E, 2I, H], w2 [E, H, I] (+ optional b13 [E, 2I], b2 [E, H])
     w8a8_dynamic  int8 w13/w2 with per-output-channel scales; activations quantised

@@ -23,9 +23,10 @@ import statistics
 import time
 from collections.abc import Callable
 
-from eplb_graph.bench.harness import paired_models, paired_times, prepare_models, rotating_steps, unique_graphs
+from eplb_graph.bench.harness import paired_models, paired_times, prepare_models, rotating_steps
 from eplb_graph.bench.stats import check_bench_steps, idle_ratios, over_median, percentile
 from eplb_graph.custom_ops import CPU_LAYER_KERNEL
+from eplb_graph.runtime.compile import unique_graphs
 from eplb_graph.runtime.config import MODES, RunConfig
 from eplb_graph.runtime.groups import rank_session, shutdown_expert_parallel
 from eplb_graph.runtime.launch import Heartbeat, run_ranks

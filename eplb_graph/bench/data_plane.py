@@ -28,12 +28,13 @@ from collections.abc import Callable
 import torch
 
 from eplb_graph.bench.capture_vs_eager import graph_mode_note, graph_speedup, result_entry
-from eplb_graph.bench.harness import paired_models, paired_times, prepare_models, rotating_steps, unique_graphs
+from eplb_graph.bench.harness import paired_models, paired_times, prepare_models, rotating_steps
 from eplb_graph.bench.stats import check_bench_steps, idle_ratios
 from eplb_graph.custom_ops import CPU_LAYER_KERNEL
 from eplb_graph.layer_lookup import BatchFlags
-from eplb_graph.runtime.report import cuda_kernel
+from eplb_graph.runtime.compile import unique_graphs
 from eplb_graph.runtime.config import RunConfig
+from eplb_graph.runtime.report import cuda_kernel
 from eplb_graph.runtime.stack import build_rank_models
 from eplb_graph.runtime.step import check_output, intra_op_threads, rank_device, rank_threads
 

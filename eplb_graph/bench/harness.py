@@ -99,11 +99,6 @@ def prepare_models(models: dict[str, tuple], controllers: dict[str, StepHooks], 
     return PreparedModels(forwards, captured, compile_s, decode)
 
 
-def unique_graphs() -> int:
-    """Dynamo's count of graphs compiled in this process: a recompile adds one."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
 def paired_models(on: tuple, off: tuple, twin: tuple, on_cfg: RunConfig, off_cfg: RunConfig) -> dict[str, tuple]:
     """The three models of a paired run, each ``build_rank_models``' (model, reference,
     RankLayers, flags), as ``prepare_models`` takes them, in compile order: the twin compiles

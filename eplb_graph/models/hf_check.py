@@ -20,6 +20,8 @@ import eplb_graph
 from eplb_graph.adapters import find_moe_layers
 from eplb_graph.hf_adapter import is_hf_experts
 from eplb_graph.models.hf_families import CannotBuildTiny, TinyFamily, build_tiny_family
+from eplb_graph.runtime.compile import unique_graphs
+
 
 TOLERANCE = 1e-4  # |compiled EPLB - logical eager| per element, relative to the output's largest magnitude
 NUM_REDUNDANT = 4
@@ -133,10 +135,10 @@ def check_backend(tiny: TinyFamily, backend: str) -> BackendResult:
             result.load_recorded = int(handle.logical_load().sum())
             before = handle.physical_to_logical()
             result.placement_changed = not torch.equal(handle.rearrange(), before)
-            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            graphs = unique_graphs()
             with torch._dynamo.config.patch(error_on_recompile=True):
                 result.max_abs_diff_after = float((model_output(compiled, tokens) - expected).abs().max())
-            result.recompiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs
+            result.recompiled = unique_graphs() != graphs
         if result.load_recorded != expected_load:
             result.error = f"recorded {result.load_recorded} (token, expert) pairs, expected {expected_load}"
         elif max(result.max_abs_diff, result.max_abs_diff_after) > TOLERANCE * scale:

@@ -76,3 +76,8 @@ def prepare_step(model, cfg: RunConfig, rank_layers, flags, records: list):
     )
     captured.capture_all()
     return captured, captured
+
+
+def unique_graphs() -> int:
+    """Dynamo's count of graphs compiled in this process: a recompile adds one."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]

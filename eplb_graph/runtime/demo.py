@@ -17,6 +17,7 @@ import torch
 from eplb_graph.layer_lookup import BatchFlags, LayerLookup
 from eplb_graph.models.reference import ReferenceMoEConfig, build_reference_model
 from eplb_graph.placement import check_expert_layout
+from eplb_graph.runtime.compile import unique_graphs
 from eplb_graph.runtime.report import balancedness
 from eplb_graph.runtime.workload import WorkloadSpec, make_batch
 
@@ -89,7 +90,7 @@ def run_demo(
     workload = [make_batch(router.workload, step, 0).tokens for step in range(steps)]
     pointer = layer.lookup.data_ptr()
 
-    graphs_before = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    graphs_before = unique_graphs()
     start = time.perf_counter()
     compiled(workload[0])
     compile_s = time.perf_counter() - start
@@ -109,7 +110,7 @@ def run_demo(
             physical = compiled(token_ids)
             hosting_ok &= bool(torch.equal(layer.physical_to_logical[physical], router.logical_ids(token_ids)))
     after = rank_balancedness(layer.load, ranks)
-    recompiles = int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs_before - 1
+    recompiles = unique_graphs() - graphs_before - 1
     return DemoReport(
         num_logical_experts=num_logical,
         num_physical_experts=num_physical,

@@ -115,7 +115,6 @@ def shutdown_expert_parallel() -> None:
 def rank_session(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> Iterator[tuple]:
     """This process as one EP rank: vLLM's groups with the run's EPLB window and interval, the
     vLLM config current and autograd off. Yields (activation group or None, CPU group)."""
-    from eplb_graph.runtime.groups import inductor_compile_threads_kept, init_expert_parallel
 
     with inductor_compile_threads_kept():
         from vllm.config import set_current_vllm_config

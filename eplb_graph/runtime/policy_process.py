@@ -2,7 +2,7 @@
 
 Upstream's async worker runs the policy (``EplbState.policy.rebalance_experts``: numpy and
 Python loops) on a thread of the serving process. At DeepSeek-V3 size (58 MoE layers,
-256 + 32 experts, 4 nodes, 32 ranks) one call runs for tens of milliseconds, and meanwhile
+256 + 32 experts, 4 nodes, 32 ranks) one call is long next to a decode step, and meanwhile
 the main thread -- the one that launches every graph replay -- waits for the GIL at each
 switch interval (``benchmarks/bench_policy_stall.py`` measures both). ``PolicyProcess`` has the policy's call signature
 and replaces ``EplbState.policy`` after upstream chose it: the worker thread hands the same

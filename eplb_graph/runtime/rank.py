@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from eplb_graph.runtime.compile import prepare_step
+from eplb_graph.runtime.compile import prepare_step, unique_graphs
 from eplb_graph.runtime.config import RunConfig
-from eplb_graph.runtime.groups import rank_session
+from eplb_graph.runtime.groups import rank_session, shutdown_expert_parallel
 from eplb_graph.runtime.launch import Heartbeat
 from eplb_graph.runtime.report import balancedness
 from eplb_graph.runtime.stack import RankStack, build_rank_stack
@@ -126,7 +126,7 @@ class RankRun:
             self.seen_sizes.add(size)
             result.compile_or_capture_s += timed.seconds
             if self.seen_sizes == self.workload.capture_sizes_used():
-                self.graphs_after_warmup = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+                self.graphs_after_warmup = unique_graphs()
         else:  # timed steps only, aligned lists
             result.step_ms.append(timed.seconds * 1e3)
             result.eplb_host_ms.append(timed.eplb_host_s * 1e3)
@@ -166,7 +166,7 @@ class RankRun:
     def finish(self) -> RankResult:
         result = self.result
         if self.graphs_after_warmup is not None:
-            result.recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - self.graphs_after_warmup
+            result.recompiles = unique_graphs() - self.graphs_after_warmup
         if self.captured is not None:
             result.recaptures = self.captured.stats.recaptures
         if self.progress is not None:
@@ -194,8 +194,6 @@ def run_rank(rank: int, world_size: int, init_method: str, cfg: RunConfig, heart
 def run_rank_and_shut_down(rank: int, world_size: int, init_method: str, cfg: RunConfig,
                            heartbeat: Heartbeat | None = None) -> dict:
     """``run_rank`` for a process that ends with it: the groups are torn down afterwards."""
-    from eplb_graph.runtime.groups import shutdown_expert_parallel
-
     try:
         return run_rank(rank, world_size, init_method, cfg, heartbeat)
     finally:

@@ -3,8 +3,9 @@
 The one EP stack of the runtime. Every rank builds the same seeded decoder, keeps its slice
 of the physical experts in the chosen quantization format, and registers one ``RankLayer``
 (the global routing tables its routing op resolves by name) per MoE layer. ``run_rank``
-compiles or captures the model; the multi-rank tests and ``bench_movement.py`` step it
-eagerly through ``RankStack.step``, which checks every output against the reference.
+compiles or captures the model; the multi-rank tests step it eagerly through
+``RankStack.step``, which checks every output against the reference; ``bench_movement.py``
+times the same models with ``timed_step``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from eplb_graph.placement import initial_placement
 from eplb_graph.runtime.config import RunConfig
 from eplb_graph.runtime.controller import EplbController, RankLayer
 from eplb_graph.runtime.ep_moe import ExpertParallelMoE
-from eplb_graph.runtime.step import rank_device
+from eplb_graph.runtime.step import check_output, rank_device
 from eplb_graph.runtime.workload import Batch
 from eplb_graph.upstream.capability import EplbWorkerError
 from eplb_graph.weight_views import ExpertWeights, check_weight_view, expert_format
@@ -132,10 +133,10 @@ class RankStack:
             if controller is None or isinstance(error, EplbWorkerError):
                 raise
             raise controller.peer_lost(error) from error
-        if check:
+        if check:  # NaN or Inf where the reference is finite reads as an infinite difference
             real = slice(0, batch.num_tokens)
-            expected = self.models.reference(batch.tokens)
-            self.max_abs_diff.append(float((out[:, real] - expected[:, real]).abs().max()))
+            checked = check_output(out[:, real], self.models.reference(batch.tokens)[:, real], 0.0)
+            self.max_abs_diff.append(float("inf") if checked.nonfinite else checked.max_abs_diff)
         return out
 
     def local_weights_match_placement(self) -> bool:
@@ -156,15 +157,14 @@ class RankStack:
             self.controller.close()
 
 
-def build_rank_stack(cfg: RunConfig, rank: int, ep_size: int, group, *, load_phase: str = "all",
-                     transfer_timeout_s: float = 60.0) -> RankStack:
+def build_rank_stack(cfg: RunConfig, rank: int, ep_size: int, group, **controller_options) -> RankStack:
     """The models and, where ``cfg.eplb``, the controller that binds their load buffers to
-    upstream's (before any graph is compiled or captured). Window and interval come from the
-    current vLLM config (``rank_session``)."""
+    upstream's (before any graph is compiled or captured); ``controller_options``: the rest of
+    ``EplbController``'s (``load_phase``, ``transfer_timeout_s``). Window and interval come from
+    the current vLLM config (``rank_session``)."""
     models = build_rank_models(cfg, rank, ep_size, group)
     controller = None
     if cfg.eplb:
-        controller = EplbController(models.rank_layers, load_phase=load_phase, transfer_timeout_s=transfer_timeout_s,
-                                    device=rank_device(cfg), policy_process=cfg.policy_process,
-                                    stall_bound=cfg.stall_bound())
+        controller = EplbController(models.rank_layers, device=rank_device(cfg), policy_process=cfg.policy_process,
+                                    stall_bound=cfg.stall_bound(), **controller_options)
     return RankStack(cfg, rank, ep_size, models, controller)

@@ -42,8 +42,9 @@ class BoundLayer(Protocol):
 class BindingStats:
     layers_committed: int = 0
     placement_changes: int = 0  # layer commits that changed the layer's placement
-    rearrangements_started: int = 0  # kept by the caller, which sees upstream's state between steps
+    rearrangements_started: int = 0  # kept by the runtime's controller, which sees upstream's state between steps
     rearrangements_finished: int = 0  # commits of a model's last layer (or of all layers at once)
+    layers_committed_in_flight: int = 0  # of layers_committed: those of the rearrangement not finished yet
 
 
 class UpstreamBinding:
@@ -66,10 +67,12 @@ class UpstreamBinding:
         return [layer for layers in self._layers.values() for layer in layers]
 
     def layers_of(self, model_state) -> list[BoundLayer]:
+        """The layers bound for ``model_state``'s model; ValueError for a model never bound (on the
+        policy path that rejects the placement, moving nothing; on a commit it is raised)."""
         layers = self._layers.get(id(model_state.model))
         if layers is None:
-            raise RuntimeError(f"upstream committed a placement for a model eplb-graph did not bind "
-                               f"({type(model_state.model).__name__})")
+            raise ValueError(f"upstream placed experts for a model eplb-graph did not bind "
+                             f"({type(model_state.model).__name__})")
         return layers
 
     # -- upstream's hooks (the capability adapter calls them) ------------------------------
@@ -83,10 +86,12 @@ class UpstreamBinding:
         for index in range(len(layers)) if layer_index is None else [layer_index]:
             self.stats.placement_changes += layers[index].commit_placement_(committed[index])
             self.stats.layers_committed += 1
+            self.stats.layers_committed_in_flight += 1
         # counted here, not from upstream's flag between steps: one step() can finish a
         # rearrangement and start the next
         if ends_rearrangement(model_state, layer_index):
             self.stats.rearrangements_finished += 1
+            self.stats.layers_committed_in_flight = 0
 
     # -- health ----------------------------------------------------------------------------
 

@@ -165,6 +165,7 @@ class VllmEplbWorker:
             "layers": {layer.key: layer.summary() for layer in self.layers},
             "layers_committed": self.stats.layers_committed,
             "rearrangements_committed": self.stats.rearrangements_finished,
+            "layers_committed_in_flight": self.stats.layers_committed_in_flight,
             "placement_changes": self.stats.placement_changes,
             "rejected_placements": list(self.binding.rejected_placements),
             "rearrangement_stalls": self.binding.rearrangement_stalls,
