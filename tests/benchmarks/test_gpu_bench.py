@@ -59,6 +59,8 @@ def test_the_first_call_runs_the_vllm_free_stages_first_within_its_budget(tmp_pa
                                   "second call: --only bench_data_plane_large,bench_large")
     second = [s for s in gpu_bench.select(gpu_bench.plan(tmp_path, 1, None), list(later)) if s.asked]
     assert sum(stage.timeout_s for stage in second) <= gpu_bench.DEFAULT_BUDGET_S
+    # the large stages come last in the plan too: after every vLLM stage
+    assert [stage.name for stage in stages][-2:] == ["bench_data_plane_large", "bench_large"]
     by_name = {stage.name: stage for stage in stages}
     assert by_name["run"].command[-6:] == ["--steps", "1100", "--interval", "10", "--out", str(tmp_path / "run")]
     assert "--data-plane" in by_name["bench_data_plane"].command and "cuda" in by_name["cuda_tests"].command
@@ -79,6 +81,7 @@ def test_the_dry_run_replaces_every_cuda_stage_and_makes_run_time_out(tmp_path):
     assert [name for name, stage in stages.items() if stage.forced_timeout] == ["run"]
 
 
+@pytest.mark.launches
 def test_the_report_is_rewritten_after_every_stage(tmp_path):
     stages = runner(tmp_path, ["first", "second", "third"])
     report = tmp_path / "gpu_bench.json"
@@ -97,6 +100,7 @@ def test_the_report_is_rewritten_after_every_stage(tmp_path):
     assert [entry["status"] for entry in final["stages"].values()] == ["ok", "ok", "exit 3"]
 
 
+@pytest.mark.launches
 def test_a_timed_out_stage_is_killed_whole_and_keeps_its_partial_output(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     spawns = f"""
@@ -112,6 +116,7 @@ def test_a_timed_out_stage_is_killed_whole_and_keeps_its_partial_output(tmp_path
     assert not alive(int(pid_file.read_text()))  # the rank-like grandchild went with its stage
 
 
+@pytest.mark.launches
 def test_a_stage_that_exits_leaves_no_process_behind(tmp_path):
     pid_file = tmp_path / "orphan.pid"
     orphans = f"""
@@ -124,6 +129,7 @@ def test_a_stage_that_exits_leaves_no_process_behind(tmp_path):
     assert not alive(int(pid_file.read_text()))
 
 
+@pytest.mark.launches
 def test_a_stale_json_from_an_earlier_call_does_not_pass_for_this_one(tmp_path):
     stale = tmp_path / "bench.json"
     stale.write_text(json.dumps({"cuda_kernel": "triton", "results": []}))
@@ -132,6 +138,7 @@ def test_a_stale_json_from_an_earlier_call_does_not_pass_for_this_one(tmp_path):
     assert entry["status"] == "failed" and entry["problems"] == ["wrote no JSON"] and not stale.exists()
 
 
+@pytest.mark.launches
 def test_a_skipped_stage_never_runs_and_a_stage_without_budget_is_skipped(tmp_path):
     never = tmp_path / "never"
     stages = runner(tmp_path, ["needs_vllm", "late"], budget_s=10)

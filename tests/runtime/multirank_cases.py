@@ -185,17 +185,17 @@ def invalid_policy_output_is_rejected(rank, world_size, init_method):
 
 def run_rank_then_die(rank, world_size, init_method, cfg, die_rank, die_step):
     """The runtime's rank body, except that rank `die_rank` vanishes at step `die_step`."""
-    from eplb_graph.runtime import rank as runner
+    from eplb_graph.runtime import rank as rank_module
 
-    make_batch = runner.make_batch
+    make_batch = rank_module.make_batch
 
     def make_batch_or_die(spec, step, batch_rank):
         if batch_rank == die_rank and step == die_step:
             os._exit(17)
         return make_batch(spec, step, batch_rank)
 
-    runner.make_batch = make_batch_or_die
-    return runner.run_rank(rank, world_size, init_method, cfg)
+    rank_module.make_batch = make_batch_or_die
+    return rank_module.run_rank(rank, world_size, init_method, cfg)
 
 
 def run_rank_losing_weight_moves(rank, world_size, init_method, cfg):
@@ -203,10 +203,10 @@ def run_rank_losing_weight_moves(rank, world_size, init_method, cfg):
     commit publishes a placement whose weights never arrived (a lost weight move)."""
     import vllm.distributed.eplb.eplb_state as eplb_state
 
-    from eplb_graph.runtime import rank as runner
+    from eplb_graph.runtime import rank as rank_module
 
     eplb_state.move_from_buffer = lambda *args, **kwargs: None
-    return runner.run_rank(rank, world_size, init_method, cfg)
+    return rank_module.run_rank(rank, world_size, init_method, cfg)
 
 
 def run_rank_with_nan_weight_moves(rank, world_size, init_method, cfg):
@@ -214,7 +214,7 @@ def run_rank_with_nan_weight_moves(rank, world_size, init_method, cfg):
     after upstream's buffer-to-weights copy (a corrupt weight move)."""
     import vllm.distributed.eplb.eplb_state as eplb_state
 
-    from eplb_graph.runtime import rank as runner
+    from eplb_graph.runtime import rank as rank_module
 
     move_from_buffer = eplb_state.move_from_buffer
 
@@ -226,7 +226,7 @@ def run_rank_with_nan_weight_moves(rank, world_size, init_method, cfg):
                 weight[changed] = float("nan")
 
     eplb_state.move_from_buffer = move_then_poison
-    return runner.run_rank(rank, world_size, init_method, cfg)
+    return rank_module.run_rank(rank, world_size, init_method, cfg)
 
 
 def close_mid_rearrangement(rank, world_size, init_method):

@@ -12,8 +12,11 @@ from eplb_graph.runtime.launch import RankFailure, run_ranks
 from eplb_graph.runtime.report import failed_invariants, summarize
 from eplb_graph.runtime.workload import make_batch
 from eplb_graph.weight_views import expert_format
+from tests.benchmarks.scripts import load_benchmark
 from tests.markers import requires_cuda
 from tests.runtime import multirank_cases
+
+live_processes_in_group = load_benchmark("gpu_stages").live_processes_in_group
 
 pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
 
@@ -180,22 +183,6 @@ def test_a_dying_rank_stops_the_run_naming_it():
     assert "Connection" in failure.value.failures[0] or "peer" in failure.value.failures[0]
 
 
-def _live_processes_in_group(group: int) -> list[str]:
-    """Command lines of the processes in a process group, zombies (already exited, waiting
-    for a parent that is gone) left out."""
-    from pathlib import Path
-
-    live = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp
-            if int(fields[2]) == group and fields[0] != "Z":
-                live.append((stat.parent / "cmdline").read_text().replace("\0", " "))
-        except (OSError, IndexError, ValueError):  # exited while we looked
-            continue
-    return live
-
-
 def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
     """Ctrl-C reaches the launcher and both ranks (one process group): the run stops at once,
     says so without a traceback, writes nothing, and leaves no process behind."""
@@ -238,6 +225,6 @@ def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
     assert not (out / "report.json").exists()
     # no rank, nor anything else of the run, is left (the resource tracker exits once the launcher has)
     deadline = time.monotonic() + 10
-    while _live_processes_in_group(process.pid) and time.monotonic() < deadline:
+    while live_processes_in_group(process.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _live_processes_in_group(process.pid) == []
+    assert live_processes_in_group(process.pid) == []

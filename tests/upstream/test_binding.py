@@ -52,9 +52,11 @@ def test_a_layer_commit_refreshes_that_layer_from_upstreams_placement(bound):
     assert layers[0].tables.lookup.data_ptr() == pointer  # refreshed in place
     assert layers[1].tables.physical_to_logical.tolist() == [0, 1, 2, 3, 0, 1]  # not committed: untouched
     assert (binding.stats.layers_committed, binding.stats.placement_changes, binding.stats.rearrangements_finished) == (1, 1, 0)
+    assert binding.stats.layers_committed_in_flight == 1
     unchanged = model_state.physical_to_logical_map[1].clone()
     eplb_state._commit_eplb_maps_for_layer(model_state, new_physical_to_logical_map=unchanged, layer=1)  # the last layer
     assert (binding.stats.layers_committed, binding.stats.placement_changes, binding.stats.rearrangements_finished) == (2, 1, 1)
+    assert binding.stats.layers_committed_in_flight == 0
 
 
 def test_a_synchronous_commit_refreshes_every_layer(bound):
@@ -81,8 +83,12 @@ def test_a_bad_policy_placement_is_replaced_by_the_current_one_and_reported(boun
 def test_a_commit_for_a_model_it_did_not_bind_is_an_error(bound):
     binding, _, model_state = bound
     stranger = SimpleNamespace(model=SimpleNamespace(num_moe_layers=2), physical_to_logical_map=model_state.physical_to_logical_map)
-    with pytest.raises(RuntimeError, match="a model eplb-graph did not bind"):
+    with pytest.raises(ValueError, match="a model eplb-graph did not bind"):
         binding._after_commit(stranger, 0)
+    # on the policy path the same is a rejected placement: nothing moves, the worker lives on
+    policy = binding.adapter._checked_policy(lambda *args: torch.tensor([[1, 0, 3, 2, 1, 1]] * 2))
+    assert torch.equal(policy(stranger, None, model_state.physical_to_logical_map, None), model_state.physical_to_logical_map)
+    assert "did not bind" in binding.rejected_placements[-1]
 
 
 def test_a_dead_worker_is_raised_on_the_main_thread(bound):
