@@ -7,6 +7,8 @@
     torch.ops.eplb_graph.map_and_record_layer(topk_ids, layer: str) -> physical_ids
         (what the FX pass inserts: map_and_record on the named layer's live tables,
          see layer_routing.py)
+    torch.ops.eplb_graph.ep_all_gather / ep_local_slots / ep_sum_own_rows(..., group: str)
+        (EP collectives over the named elastic group as it is now, see ep_collectives.py)
 
 Kernels per dispatch key:
   CPU          C++ (csrc/routing.cpp, built once per machine by native_routing.py) where it can
@@ -24,7 +26,8 @@ import importlib.util
 
 import torch
 
-from . import layer_routing, native_routing, routing
+from . import ep_collectives, layer_routing, native_routing, routing
+from .ep_collectives import EP_GROUPS, EpGroupRegistry
 from .layer_routing import LAYER_TABLES, LayerTableRegistry
 
 NAMESPACE = "eplb_graph"
@@ -74,6 +77,7 @@ def _register(lib: torch.library.Library) -> tuple[str, str]:
     torch.library.register_fake(f"{NAMESPACE}::record_load", routing.record_load_fake, lib=lib)
     torch.library.register_fake(f"{NAMESPACE}::map_and_record", routing.map_and_record_fake, lib=lib)
     layer_routing.register(lib, None if native is not None else composite_layer_kernel, cuda_layer_kernel)
+    ep_collectives.register(lib, NAMESPACE)
     if native is None:
         return "composite", cuda_kernel_name
     LAYER_TABLES.attach_native(native)
@@ -105,6 +109,8 @@ map_and_record_layer = torch.ops.eplb_graph.map_and_record_layer
 __all__ = [
     "CPU_LAYER_KERNEL",
     "CUDA_KERNEL",
+    "EP_GROUPS",
+    "EpGroupRegistry",
     "LAYER_TABLES",
     "LayerTableRegistry",
     "NAMESPACE",

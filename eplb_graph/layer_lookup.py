@@ -92,6 +92,7 @@ class LayerLookup:
         placement: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
         load_dtype: torch.dtype = torch.int64,
+        allow_empty_slots: bool = False,
     ) -> None:
         num_redundant = num_physical_experts - num_logical_experts
         if num_logical_experts <= 0 or num_redundant < 0:
@@ -106,6 +107,7 @@ class LayerLookup:
         self.num_logical_experts = num_logical_experts
         self.num_physical_experts = num_physical_experts
         self.max_replicas = max_replicas
+        self.allow_empty_slots = allow_empty_slots  # -1 slots: an elastic group's absent ranks
         self.lookup = torch.full((num_logical_experts, max_replicas), -1, dtype=torch.int32, device=device)
         self.replica_count = torch.zeros(num_logical_experts, dtype=torch.int32, device=device)
         self.load = torch.zeros(num_physical_experts, dtype=load_dtype, device=device)
@@ -124,7 +126,8 @@ class LayerLookup:
         on error nothing is modified.
         """
         placement = validate_placement(
-            physical_to_logical, self.num_logical_experts, self.num_physical_experts, self.max_replicas
+            physical_to_logical, self.num_logical_experts, self.num_physical_experts, self.max_replicas,
+            allow_empty=self.allow_empty_slots,
         )
         lookup, replica_count = build_lookup(placement, self.num_logical_experts, self.max_replicas)
         self.lookup.copy_(lookup)
@@ -163,8 +166,9 @@ class LayerLookup:
     def logical_load(self) -> torch.Tensor:
         """[num_logical] the recorded load folded back onto logical experts (host)."""
         load = self.load.detach().to("cpu", torch.int64)
+        hosted = self.physical_to_logical >= 0  # empty slots (elastic) route nothing
         return torch.zeros(self.num_logical_experts, dtype=torch.int64).index_add_(
-            0, self.physical_to_logical, load
+            0, self.physical_to_logical[hosted], load[hosted]
         )
 
     def __repr__(self) -> str:

@@ -2,8 +2,8 @@
 
 The async worker moves expert tensors with this communicator. Device tensors are copied
 into reusable host staging buffers (pinned where the device supports it, keyed by dtype
-and shape, so a steady rearrangement allocates nothing), exchanged with gloo
-``batch_isend_irecv`` on the EPLB CPU group, and copied back into the destination. The
+and shape, so a steady rearrangement allocates nothing), exchanged with the gloo
+group's own send / recv on the EPLB CPU group, and copied back into the destination. The
 worker thread therefore never issues a device collective: foreground MoE communication
 keeps the device group to itself. Host (CPU) tensors are sent and received in place.
 
@@ -89,18 +89,21 @@ class GlooStagedCommunicator(_make_communicator_base()):
                     buffer = self.staging.take(tensor)
                     buffer.copy_(tensor)  # D2H; a blocking copy, so the data is ready for gloo
                     staging.append(buffer)
-                p2p.append(dist.P2POp(dist.isend, buffer, group=self._cpu_group, group_peer=peer))
+                p2p.append(("send", buffer, peer))
                 self.bytes_sent += tensor.numel() * tensor.element_size()
             else:
                 buffer = tensor if on_host else self.staging.take(tensor)
                 if not on_host:
                     staged_recvs.append((tensor, buffer))
                     staging.append(buffer)
-                p2p.append(dist.P2POp(dist.irecv, buffer, group=self._cpu_group, group_peer=peer))
+                p2p.append(("recv", buffer, peer))
                 self.bytes_received += tensor.numel() * tensor.element_size()
         peers = sorted({peer for _, _, peer in ops})
         try:
-            for request in dist.batch_isend_irecv(p2p):
+            # the group's own send/recv take ranks in the group, so a stateless group (an
+            # elastic generation's, never registered with c10d) serves as well as vLLM's
+            requests = [getattr(self._cpu_group, kind)([buffer], peer, 0) for kind, buffer, peer in p2p]
+            for request in requests:
                 request.wait(self.timeout)
         except Exception as error:  # gloo raises RuntimeError / DistBackendError on a dead peer
             raise EplbTransferError(

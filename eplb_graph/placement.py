@@ -53,12 +53,15 @@ def validate_placement(
     num_logical_experts: int,
     num_physical_experts: int,
     max_replicas: int,
+    *,
+    allow_empty: bool = False,
 ) -> torch.Tensor:
     """Checks a placement and returns it as a CPU int64 tensor [num_physical].
 
     Raises ValueError naming the first problem found: wrong rank, dtype or length,
     logical ids out of range, a logical expert with no replica, or more replicas
-    than the lookup has slots for. Runs at every layer commit, between two forwards:
+    than the lookup has slots for. ``allow_empty``: -1 marks a slot that hosts nothing
+    (an elastic group's slots on ranks that are not members now). Runs at every layer commit, between two forwards:
     a few numpy reductions decide, and the message is worked out only for a bad one.
     """
     if not isinstance(physical_to_logical, torch.Tensor):
@@ -73,14 +76,15 @@ def validate_placement(
         )
     placement = physical_to_logical.detach().to("cpu", torch.int64)
     ids = placement.numpy()  # [num_physical], a view
-    if ids.size and (ids.min() < 0 or ids.max() >= num_logical_experts):
-        out_of_range = np.flatnonzero((ids < 0) | (ids >= num_logical_experts))
+    lowest = -1 if allow_empty else 0
+    if ids.size and (ids.min() < lowest or ids.max() >= num_logical_experts):
+        out_of_range = np.flatnonzero((ids < lowest) | (ids >= num_logical_experts))
         slot = int(out_of_range[0])
         raise ValueError(
             f"placement slot {slot} holds logical id {int(ids[slot])}, outside "
-            f"[0, {num_logical_experts}) ({out_of_range.size} bad slot(s))"
+            f"[{lowest}, {num_logical_experts}) ({out_of_range.size} bad slot(s))"
         )
-    counts = np.bincount(ids, minlength=num_logical_experts)  # [num_logical]
+    counts = np.bincount(ids[ids >= 0] if allow_empty else ids, minlength=num_logical_experts)  # [num_logical]
     if counts.min() == 0:
         raise ValueError(f"logical experts {np.flatnonzero(counts == 0)[:8].tolist()} have no replica in the placement")
     if counts.max() > max_replicas:

@@ -137,3 +137,12 @@ def test_refreshed_lookup_survives_cuda_graph_replay():
     graph.replay()
     assert set(physical[ids[:, 0] == 3].flatten().tolist()) == {0, 1, 5}
     assert int(layer.load.sum()) == 64 + 8  # the replay read the new unpadded count
+
+
+def test_a_lookup_with_empty_slots_routes_and_folds_load_only_onto_hosted_slots():
+    from eplb_graph.layer_lookup import LayerLookup
+
+    tables = LayerLookup(2, 6, placement=torch.tensor([0, 1, -1, -1, 1, -1]), allow_empty_slots=True)
+    assert tables.replica_count.tolist() == [1, 2] and tables.lookup[1, :2].tolist() == [1, 4]
+    tables.load.copy_(torch.tensor([3, 1, 0, 0, 2, 0]))
+    assert tables.logical_load().tolist() == [3, 3]

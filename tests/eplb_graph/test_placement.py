@@ -79,3 +79,14 @@ def test_logical_maps_equals_upstream_compute_logical_maps(case):
     for mine, reference in zip(ours, theirs):
         assert mine.dtype == reference.dtype and mine.shape == reference.shape
         assert torch.equal(mine, reference)
+
+
+def test_empty_slots_are_refused_unless_allowed_and_never_count_as_replicas():
+    from eplb_graph.placement import validate_placement
+
+    placement = torch.tensor([0, 1, 2, -1, -1, 1])
+    with pytest.raises(ValueError, match=r"slot 3 holds logical id -1, outside \[0, 3\)"):
+        validate_placement(placement, 3, 6, 3)
+    assert torch.equal(validate_placement(placement, 3, 6, 3, allow_empty=True), placement)
+    with pytest.raises(ValueError, match=r"logical experts \[2\] have no replica"):
+        validate_placement(torch.tensor([0, 1, -1, -1]), 3, 4, 3, allow_empty=True)

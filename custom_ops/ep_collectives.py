@@ -1,0 +1,127 @@
+"""EP collectives that find their group by name at run time, so a graph survives a resize.
+
+    torch.ops.eplb_graph.ep_all_gather(x [T, C], group: str) -> [max_size * T, C]
+    torch.ops.eplb_graph.ep_local_slots(physical_ids [R, K], group: str, num_local: int) -> [R, K]
+    torch.ops.eplb_graph.ep_sum_own_rows(parts [max_size * T, ...], group: str) -> [T, ...]
+
+A functional collective in a compiled graph bakes its process group's name and size into
+the graph (the all-gather's output shape is size x T), and a layer's EP rank is a Python
+int a graph freezes. An elastic EP group changes all three. These ops name a group slot
+instead, exactly as ``map_and_record_layer`` names its layer: the slot is resolved when
+the op runs, so a compiled or captured graph follows the group the slot holds *now*.
+Shapes are fixed at the slot's maximum size: the gather fills the rows of ranks that are
+not members with zeros, and ``ep_local_slots`` gives those rows no local expert, so their
+contributions are exactly zero and the sum over the members is the sum over all ranks.
+
+Each op runs one blocking collective on the slot's gloo group (never several in flight).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+EP_ALL_GATHER_SCHEMA = "ep_all_gather(Tensor x, str group) -> Tensor"
+EP_LOCAL_SLOTS_SCHEMA = "ep_local_slots(Tensor physical_ids, str group, int num_local) -> Tensor"
+EP_SUM_OWN_ROWS_SCHEMA = "ep_sum_own_rows(Tensor parts, str group) -> Tensor"
+
+
+class EpGroupSlot(Protocol):
+    """What the ops need of a group slot (``runtime.elastic_group.ElasticEpGroup``)."""
+
+    max_size: int  # fixed for the slot's life: every graph's shapes are sized by it
+
+    def current(self) -> tuple[dist.ProcessGroup | None, int, int]:
+        """(process group, this process's rank in it, its size) now; None for a group of one."""
+        ...
+
+
+class EpGroupRegistry:
+    """Group name -> live slot, held weakly: a graph that names a slot gone fails clearly."""
+
+    def __init__(self) -> None:
+        self._slots: dict[str, weakref.ReferenceType] = {}
+
+    def register(self, name: str, slot: EpGroupSlot) -> None:
+        existing = self._slots.get(name)
+        if existing is not None and existing() is not None and existing() is not slot:
+            raise ValueError(f"EP group name {name!r} is already registered to another group")
+        self._slots[name] = weakref.ref(slot)
+
+    def unregister(self, name: str) -> None:
+        self._slots.pop(name, None)
+
+    def resolve(self, name: str) -> EpGroupSlot:
+        ref = self._slots.get(name)
+        slot = ref() if ref is not None else None
+        if slot is None:
+            raise KeyError(f"no live EP group named {name!r} (known: {sorted(self._slots)[:8]})")
+        return slot
+
+
+# The ops find slots from a string, so the index is process-wide, as the registrations are.
+EP_GROUPS = EpGroupRegistry()
+
+
+def ep_all_gather(x: torch.Tensor, group: str) -> torch.Tensor:
+    slot = EP_GROUPS.resolve(group)
+    pg, _, size = slot.current()
+    rows = x.shape[0]
+    out = x.new_zeros((slot.max_size * rows, *x.shape[1:]))  # [max_size * T, C]
+    if pg is None:
+        out[:rows] = x
+    else:
+        dist.all_gather(list(out[: size * rows].chunk(size)), x.contiguous(), group=pg)
+    return out
+
+
+def ep_all_gather_fake(x: torch.Tensor, group: str) -> torch.Tensor:
+    return x.new_empty((EP_GROUPS.resolve(group).max_size * x.shape[0], *x.shape[1:]))
+
+
+def ep_local_slots(physical_ids: torch.Tensor, group: str, num_local: int) -> torch.Tensor:
+    """Each (row, k)'s slot among this rank's ``num_local`` experts, or -1: hosted elsewhere,
+    or a row of a rank that is not a member (the gather's zero padding)."""
+    slot = EP_GROUPS.resolve(group)
+    _, rank, size = slot.current()
+    rows_per_rank = physical_ids.shape[0] // slot.max_size
+    local = physical_ids - rank * num_local  # [R, K]
+    member_row = torch.arange(physical_ids.shape[0], device=physical_ids.device) < size * rows_per_rank  # [R]
+    mine = (local >= 0) & (local < num_local) & member_row.unsqueeze(1)
+    return torch.where(mine, local, torch.full_like(local, -1))
+
+
+def ep_local_slots_fake(physical_ids: torch.Tensor, group: str, num_local: int) -> torch.Tensor:
+    EP_GROUPS.resolve(group)  # a graph naming no live group fails when it is built
+    return torch.empty_like(physical_ids)
+
+
+def ep_sum_own_rows(parts: torch.Tensor, group: str) -> torch.Tensor:
+    """The members' sum of ``parts`` [max_size * T, ...], this rank's T rows of it."""
+    slot = EP_GROUPS.resolve(group)
+    pg, rank, _ = slot.current()
+    rows = parts.shape[0] // slot.max_size
+    total = parts.clone()
+    if pg is not None:
+        dist.all_reduce(total, group=pg)
+    return total[rank * rows : (rank + 1) * rows].clone()
+
+
+def ep_sum_own_rows_fake(parts: torch.Tensor, group: str) -> torch.Tensor:
+    rows = parts.shape[0] // EP_GROUPS.resolve(group).max_size
+    return parts.new_empty((rows, *parts.shape[1:]))
+
+
+def register(lib: torch.library.Library, namespace: str) -> None:
+    """The three ops, one kernel for every device: each calls the slot's own process group."""
+    for schema, name, kernel, fake in (
+        (EP_ALL_GATHER_SCHEMA, "ep_all_gather", ep_all_gather, ep_all_gather_fake),
+        (EP_LOCAL_SLOTS_SCHEMA, "ep_local_slots", ep_local_slots, ep_local_slots_fake),
+        (EP_SUM_OWN_ROWS_SCHEMA, "ep_sum_own_rows", ep_sum_own_rows, ep_sum_own_rows_fake),
+    ):
+        lib.define(schema)
+        lib.impl(name, kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{namespace}::{name}", fake, lib=lib)
