@@ -103,6 +103,8 @@ def _run(args: argparse.Namespace) -> int:
     from eplb_graph.runtime.report import failed_invariants, summarize, write_plots
     from eplb_graph.runtime.rank import run_rank, run_rank_and_shut_down
 
+    if args.scale_plan is not None:
+        return _run_elastic(args)
     config = _run_config(args, progress=not args.json, tolerance=args.tolerance)
     _check_cpp_wrapper_modes(config, (config.mode,))
     out = _output_dir(args.out)
@@ -143,6 +145,21 @@ def _run(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"FAILED: {problem}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def _run_elastic(args: argparse.Namespace) -> int:
+    """``run --scale-plan``: the same runtime resized at fixed steps (``elastic_run``)."""
+    from eplb_graph.runtime.elastic_report import write_elastic_report
+    from eplb_graph.runtime.elastic_run import parse_scale_plan, run_elastic
+
+    plan = parse_scale_plan(args.scale_plan)
+    max_ranks = max(plan) if args.max_ranks is None else args.max_ranks
+    config = _run_config(args, ranks=plan[0], tolerance=args.tolerance)
+    if config.cpp_wrapper or config.policy_process or config.device != "cpu":
+        raise ValueError("--scale-plan runs on the host (device cpu) without --cpp-wrapper or --policy-process")
+    out = _output_dir(args.out)
+    raw = run_elastic(config, plan, max_ranks, deadline_s=args.resize_deadline, timeout_s=args.timeout)
+    return write_elastic_report(out, config, plan, max_ranks, raw, as_json=args.json)
 
 
 def _log(line: str) -> None:
@@ -268,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tolerance", type=float, default=None,
                      help="rtol = atol of the per-step output check, 0 = exact (default: exact in eager mode on "
                           "the host; compiled, the format's: 1e-5 unquantized, 1e-3 quantized)")
+    run.add_argument("--scale-plan", default=None, metavar="N,M[,...]",
+                     help="elastic EP: start at N ranks and resize to each next size at evenly spaced steps")
+    run.add_argument("--max-ranks", type=int, default=None,
+                     help="with --scale-plan: the largest EP size tables and graphs are sized for (default: the plan's)")
+    run.add_argument("--resize-deadline", type=float, default=30.0, metavar="S",
+                     help="with --scale-plan: a resize not switched this long after its request is given up")
     run.set_defaults(func=_run)
 
     bench = commands.add_parser("bench", help="step latency: eager vs compiled, EPLB off / on-idle / rearranging")

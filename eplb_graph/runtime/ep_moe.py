@@ -1,7 +1,8 @@
 """The EP MoE layer of the reference runtime: router -> EPLB routing -> this rank's experts -> combine.
 
 Each EP rank holds ``num_physical / ep_size`` consecutive physical experts. Token dispatch
-is all-gather / all-reduce: every rank gathers all ranks' tokens, physical ids and routing
+is all-gather / all-reduce (in an elastic run through the ops of ``ep_collectives``, which
+resolve the group by name and keep shapes at the group's maximum size): every rank gathers all ranks' tokens, physical ids and routing
 weights, computes the (token, k) pairs its local experts own (with either expert kernel of
 ``weight_views``: per pair, or every local expert over every gathered token), and an
 all-reduce sums the partial outputs (gloo has no reduce-scatter); each rank keeps its own
@@ -46,6 +47,7 @@ class ExpertParallelMoE(nn.Module):
         ep_group: dist.ProcessGroup | None = None,
         shared_expert: nn.Module | None = None,
         expert_kernel: str = "pairs",  # see weight_views: "pairs" or "dense"
+        elastic_group: str | None = None,  # an ElasticEpGroup's name: rank, size and group resolved per call
     ) -> None:
         super().__init__()
         check_expert_kernel(expert_kernel)
@@ -56,8 +58,11 @@ class ExpertParallelMoE(nn.Module):
         self.layer_key = layer_key
         self.route_in_module = layer_key is not None
         self.ep_rank, self.ep_size, self.ep_group = ep_rank, ep_size, ep_group
+        self.elastic_group = elastic_group
 
     def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.elastic_group is not None:  # [max_size * T, C], rows of non-members zero
+            return torch.ops.eplb_graph.ep_all_gather(tensor.contiguous(), self.elastic_group)
         if self.ep_size == 1:
             return tensor
         if torch.compiler.is_compiling():  # traceable into the graph
@@ -77,7 +82,7 @@ class ExpertParallelMoE(nn.Module):
         collectives crashed a rank (SIGSEGV, twice in about ten full test runs), as eager
         functional collectives had corrupted the heap before.
         """
-        if self.ep_size == 1:
+        if self.ep_size == 1 and self.elastic_group is None:
             return list(tensors)
         parts = [t.contiguous() for t in tensors]
         packed = self._gather(torch.cat([t.view(torch.uint8) for t in parts], dim=1))  # [W*T, bytes]
@@ -103,7 +108,10 @@ class ExpertParallelMoE(nn.Module):
             expert_ids = torch.ops.eplb_graph.map_and_record_layer(expert_ids, self.layer_key)  # [T, K] physical
         all_x, all_weights, all_ids = self._gather_all(tokens, weights, expert_ids)  # [W*T, H], [W*T, K] x2
         num_local = self.experts.num_experts
-        local = all_ids - self.ep_rank * num_local  # [W*T, K]
+        if self.elastic_group is not None:  # this rank's slot of each pair now, -1 elsewhere
+            local = torch.ops.eplb_graph.ep_local_slots(all_ids, self.elastic_group, num_local)
+        else:
+            local = all_ids - self.ep_rank * num_local  # [W*T, K]
         mine = (local >= 0) & (local < num_local)
         slots = local.clamp(0, num_local - 1)  # [W*T, K]; pairs hosted elsewhere are masked below
         if self.expert_kernel == "dense":
@@ -115,7 +123,9 @@ class ExpertParallelMoE(nn.Module):
             pairs = self.experts(all_x.repeat_interleave(top_k, dim=0), slots.reshape(-1)).view(-1, top_k, shape[-1])
         # each (token, k) pair is computed by one rank and is exactly zero on the others
         contributions = pairs * (all_weights * mine).unsqueeze(-1)  # [W*T, K, H]
-        if self.ep_size > 1:
+        if self.elastic_group is not None:
+            contributions = torch.ops.eplb_graph.ep_sum_own_rows(contributions, self.elastic_group)  # [T, K, H]
+        elif self.ep_size > 1:
             # summing a value with zeros is exact, so this rank's pairs arrive bit for bit whatever
             # the placement; the k-sum below then adds them in one process's order
             contributions = self._sum_over_ranks(contributions)

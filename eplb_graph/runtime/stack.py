@@ -69,9 +69,18 @@ def build_ep_layer(
     return layer, rank_layer
 
 
+def logical_layer(moe: nn.Module, cfg: RunConfig) -> tuple[torch.Tensor, ExpertWeights, ExpertParallelMoE]:
+    """One decoder MoE block as every EP layer starts from it: (router weight [E, H], the experts
+    in the run's format in logical layout, the reference layer over them: no EPLB, one process)."""
+    router = moe.gate.weight.detach().clone()
+    logical_experts = expert_format(cfg.weight_format).from_float(moe.experts.w13.detach(), moe.experts.w2.detach())
+    reference = ExpertParallelMoE(TopKRouter.from_weight(router.clone(), cfg.top_k), logical_experts, None,
+                                  shared_expert=copy.deepcopy(moe.shared_expert), expert_kernel=cfg.expert_kernel)
+    return router, logical_experts, reference
+
+
 def build_rank_models(cfg: RunConfig, rank: int, ep_size: int, group) -> RankModels:
     """This rank's EP model and its reference, from one seeded decoder (the same on every rank)."""
-    fmt = expert_format(cfg.weight_format)
     device = rank_device(cfg)
     logical = build_reference_model(cfg.model_config(), seed=cfg.seed, device=device)
     reference, model = copy.deepcopy(logical), copy.deepcopy(logical)
@@ -79,12 +88,7 @@ def build_rank_models(cfg: RunConfig, rank: int, ep_size: int, group) -> RankMod
     rank_layers = []
     for index, block in enumerate(logical.layers):
         moe = block.mlp
-        router = moe.gate.weight.detach().clone()
-        logical_experts = fmt.from_float(moe.experts.w13.detach(), moe.experts.w2.detach())
-        reference.layers[index].mlp = ExpertParallelMoE(
-            TopKRouter.from_weight(router.clone(), cfg.top_k), logical_experts, None,
-            shared_expert=copy.deepcopy(moe.shared_expert), expert_kernel=cfg.expert_kernel,
-        )
+        router, logical_experts, reference.layers[index].mlp = logical_layer(moe, cfg)
         key = f"run{rank}.{index}" if cfg.eplb else None
         model.layers[index].mlp, rank_layer = build_ep_layer(
             key, router, logical_experts, cfg.top_k, cfg.num_physical, rank, ep_size, group, flags,

@@ -3,7 +3,7 @@
 import pytest
 
 from eplb_graph.bench import capture_vs_eager
-from eplb_graph.runtime import launch
+from eplb_graph.runtime import elastic_run, launch
 from eplb_graph.runtime.cli import main
 
 
@@ -16,6 +16,7 @@ def no_launch(monkeypatch):
 
     monkeypatch.setattr(launch, "run_ranks", launched)
     monkeypatch.setattr(capture_vs_eager, "run_ranks", launched)
+    monkeypatch.setattr(elastic_run.ElasticRun, "start", launched)
 
 
 @pytest.mark.parametrize(
@@ -42,6 +43,12 @@ def no_launch(monkeypatch):
         (["--threads", "0"], "threads must be >= 1 per rank, got 0"),
         (["--stall-steps", "0"], "--stall-steps must be an int >= 1, got 0"),
         (["--stall-seconds", "0"], "--stall-seconds must be > 0, got 0.0"),
+        (["--scale-plan", "2,5", "--max-ranks", "4"], "cannot scale to 5 ranks: the group's maximum (--max-ranks) is 4"),
+        (["--scale-plan", "2,1"], "1 x 10 expert slots cannot host 16 logical experts (at least 2 ranks)"),
+        (["--scale-plan", "2,x"], "--scale-plan takes sizes separated by commas"),
+        (["--scale-plan", "3,4"], "20 physical experts do not divide over 3 ranks"),
+        (["--scale-plan", "2,4", "--resize-deadline", "0"], "--resize-deadline must be > 0 seconds, got 0.0"),
+        (["--scale-plan", "2,4", "--policy-process"], "--scale-plan runs on the host"),
     ],
 )
 def test_bad_input_fails_before_any_process_starts(args, message, capsys, tmp_path, no_launch):

@@ -1,0 +1,281 @@
+"""One member process of an elastic run: serve steps, and resize the group between two of them.
+
+Between every two steps the members of the current generation exchange one small control
+all-reduce (MAX over [next generation announced, not ready, give up]), so all of them take
+the same decision at the same step -- the bounded form of the two-stage barrier of
+upstream's elastic EP: a member that is not ready yet holds the switch for a step, never
+the group, and past ``deadline_s`` the resize is given up at once and the group serves on
+at its size. A resize:
+
+1. *announced* (the coordinator writes the next generation; rank 0 sees it, the control
+   all-reduce tells everyone): each member of the new generation starts building its
+   gloo group in a thread, and rank 0, once it is built, sends each joining member the
+   non-expert weights and the placement; joining members warm their graphs up alone
+   (``ElasticEpGroup.solo``) and say ready in the store;
+2. *ready everywhere*: scaling down, the departing ranks' experts move to the survivors
+   over the old group; then the switch: rank 0 writes the step, every member swaps its
+   group slot (the graphs follow: the EP ops resolve the group by name); departing
+   members leave; scaling up, the experts are spread over the new ranks over the new group.
+
+No graph is compiled or captured on the serving path: every shape is the maximum size's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from eplb_graph.runtime.compile import prepare_forward, unique_graphs
+from eplb_graph.runtime.config import RunConfig
+from eplb_graph.runtime.elastic_group import ElasticEpGroup, Generation, generation_announced, read_generation
+from eplb_graph.runtime.elastic_reshuffle import reshuffle
+from eplb_graph.runtime.elastic_stack import build_elastic_models, receive_state, send_state
+from eplb_graph.runtime.step import check_output
+from eplb_graph.runtime.workload import make_batch
+
+
+@dataclass(frozen=True)
+class ElasticSpec:
+    """What every member of one elastic run shares."""
+
+    cfg: RunConfig  # cfg.ranks: the first generation's size
+    max_ranks: int
+    store_host: str
+    store_port: int
+    name: str = "ep"
+    deadline_s: float = 30.0  # announced -> switched, or the resize is given up
+    timeout_s: float = 60.0  # any one collective or store wait
+
+    def key(self, *parts: object) -> str:
+        return "/".join([self.name, *map(str, parts)])
+
+
+@dataclass
+class MemberResult:
+    member: int
+    step_end_s: list[float] = field(default_factory=list)  # monotonic, system-wide: comparable across processes
+    step_size: list[int] = field(default_factory=list)  # the group's size at each step
+    steps: list[int] = field(default_factory=list)
+    output_mismatches: int = 0
+    max_abs_diff: float = 0.0
+    recompiles: int = 0  # after warm-up: on the serving path
+    tokens: int = 0
+    resizes: list[dict] = field(default_factory=list)  # per switch this member took part in
+    abandoned: list[int] = field(default_factory=list)  # generations given up
+    state_bytes_sent: int = 0
+    join_prepare_s: float | None = None  # a joiner: assigned -> ready (group built, state received)
+    left_at_step: int | None = None
+
+
+class ElasticMember:
+    """``first_generation`` 0: a founding member; an index: a member that joins that generation
+    at once; None: a warm spare, which builds and compiles now and joins when assigned one."""
+
+    def __init__(self, member: int, spec: ElasticSpec, first_generation: int | None) -> None:
+        self.member, self.spec, self.cfg = member, spec, spec.cfg
+        self.store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
+                                   timeout=timedelta(seconds=spec.timeout_s))
+        self.group = ElasticEpGroup(spec.name, self.store, member, spec.max_ranks, timeout_s=spec.timeout_s)
+        self.result = MemberResult(member)
+        self.workload = self.cfg.workload()
+        self.pending: tuple[Generation, float] | None = None  # announced, since (monotonic)
+        self.step = 0
+        founding_rank = None
+        if first_generation == 0:
+            founding_rank = read_generation(self.store, spec.name, 0, spec.timeout_s).rank_of(member)
+        self.models = build_elastic_models(self.cfg, member, founding_rank, spec.max_ranks, spec.name)
+        self.forward = prepare_forward(self.models.model, self.cfg, self.models.rank_layers, [])
+        if first_generation == 0:
+            self.group.join(0)
+            self._warm_up()
+            self.next_generation = 1
+            return
+        with self.group.solo():  # a joiner's graphs exist before it is asked to serve
+            self._warm_up()
+        if first_generation is None:
+            first_generation = self._wait_for_assignment()
+        self.join(first_generation)
+
+    def _wait_for_assignment(self) -> int:
+        """A spare waits (blocked in the store, no CPU) for the generation it is to join."""
+        key = self.spec.key("spare", self.member)
+        self.store.wait([key], timedelta(days=1))  # the coordinator writes it, or "stop" at the end
+        value = self.store.get(key).decode()
+        if value == "stop":
+            raise ResizeAbandoned(f"spare member {self.member} was not needed")
+        return int(value)
+
+    def join(self, index: int) -> None:
+        started = time.monotonic()
+        try:
+            generation = self.group.join(index)
+            receive_state(self.models, self.group.process_group, self.spec.timeout_s)
+        except Exception:  # a group given up under us (its members gone) is not this member's failure
+            self._check_not_abandoned(index)
+            raise
+        self.result.join_prepare_s = time.monotonic() - started
+        self.store.set(self.spec.key("gen", index, "ready", self.member), "1")
+        self.step, old_size = self._wait_for_switch(index)
+        self._after_switch(generation, old_size, joined=True)
+
+    def _warm_up(self) -> None:
+        """One forward per capture size, recording nothing: the graphs exist before serving."""
+        sizes = sorted(self.workload.capture_sizes_used())
+        self.models.flags.set_(record=False, num_unpadded_tokens=0)
+        for size in sizes:
+            self.forward(torch.zeros(1, size, dtype=torch.long))
+        self.graphs_after_warmup = unique_graphs()
+
+    def _wait_for_switch(self, index: int) -> tuple[int, int]:
+        """(the first step at the new size, the old size), once rank 0 switched; bounded."""
+        key = self.spec.key("gen", index, "switch")
+        try:
+            self.store.wait([key], timedelta(seconds=self.spec.deadline_s + self.spec.timeout_s))
+        except RuntimeError as error:  # DistStoreError: the wait timed out
+            raise ResizeAbandoned(f"member {self.member}: no switch to generation {index} within the deadline") from error
+        self._check_not_abandoned(index)
+        step, old_size = map(int, self.store.get(key).decode().split(","))
+        return step, old_size
+
+    def _check_not_abandoned(self, index: int) -> None:
+        key = self.spec.key("gen", index, "switch")
+        if self.store.check([key]) and self.store.get(key).decode() == ABANDONED:
+            raise ResizeAbandoned(f"member {self.member}: the resize to generation {index} was given up")
+
+    # -- serving -----------------------------------------------------------------------
+
+    def run(self) -> MemberResult:
+        while self.step < self.cfg.steps:
+            self._serve_one()
+            if not self._between_steps():
+                break
+        else:
+            if self.pending is not None:  # the run ended before the resize could switch
+                self._give_up()
+        self.result.recompiles = unique_graphs() - self.graphs_after_warmup
+        self.group.leave()
+        return self.result
+
+    def _serve_one(self) -> None:
+        batch = make_batch(self.workload, self.step, self.group.rank)
+        self.models.flags.set_(record=True, num_unpadded_tokens=batch.num_tokens)
+        out = self.forward(batch.tokens)
+        result = self.result
+        result.step_end_s.append(time.monotonic())
+        result.step_size.append(self.group.size)
+        result.steps.append(self.step)
+        result.tokens += batch.num_tokens
+        if self.cfg.check_outputs:
+            real = slice(0, batch.num_tokens)
+            check = check_output(out[:, real], self.models.reference(batch.tokens)[:, real], self.cfg.output_tolerance)
+            result.max_abs_diff = max(result.max_abs_diff, check.max_abs_diff)
+            result.output_mismatches += not check.ok
+        self.step += 1
+        if self.group.rank == 0:
+            self.store.set(self.spec.key("step"), str(self.step))  # the coordinator's clock
+
+    def _between_steps(self) -> bool:
+        """The control all-reduce and what it decides; False: this member left the group."""
+        control = torch.zeros(3)  # [announced, not ready, give up]
+        rank = self.group.rank
+        if self.pending is None:
+            control[0] = rank == 0 and generation_announced(self.store, self.spec.name, self.next_generation)
+        else:
+            control[1] = not self._ready()
+            failed = self.group.standby_failed() is not None
+            control[2] = failed or (rank == 0 and time.monotonic() - self.pending[1] > self.spec.deadline_s)
+        pg, _, size = self.group.current()
+        if pg is not None:
+            dist.all_reduce(control, op=dist.ReduceOp.MAX, group=pg)
+        if self.pending is None and control[0]:
+            self._prepare(read_generation(self.store, self.spec.name, self.next_generation, self.spec.timeout_s))
+        elif self.pending is not None and control[2]:
+            self._give_up()
+        elif self.pending is not None and not control[1]:
+            return self._switch()
+        return True
+
+    # -- resizing ----------------------------------------------------------------------
+
+    def _joiners(self, generation: Generation) -> list[int]:
+        current = set(self.group.generation.members)
+        return [member for member in generation.members if member not in current]
+
+    def _prepare(self, generation: Generation) -> None:
+        self.pending = (generation, time.monotonic())
+        if self.member not in generation.members:
+            return  # departing: nothing to build
+        joiner_ranks = [generation.rank_of(m) for m in self._joiners(generation)]
+
+        def send(pg: dist.ProcessGroup) -> None:  # on the standby thread, once the group is built
+            for joiner in joiner_ranks:
+                self.result.state_bytes_sent += send_state(self.models, pg, joiner)
+
+        self.group.build_standby(generation, after_build=send if self.group.rank == 0 and joiner_ranks else None)
+
+    def _ready(self) -> bool:
+        generation, _ = self.pending
+        if self.member not in generation.members:
+            return True
+        ready = [self.spec.key("gen", generation.index, "ready", m) for m in self._joiners(generation)]
+        return self.group.standby_ready() and (not ready or self.store.check(ready))
+
+    def _give_up(self) -> None:
+        generation, _ = self.pending
+        self.group.abandon_standby()
+        if self.group.rank == 0:  # the joiners waiting for the switch learn it from the same key
+            self.store.set(self.spec.key("gen", generation.index, "switch"), ABANDONED)
+        self.result.abandoned.append(generation.index)
+        self.pending, self.next_generation = None, generation.index + 1
+
+    def _switch(self) -> bool:
+        generation, announced = self.pending
+        old_size, new_size = self.group.size, generation.size
+        started = time.monotonic()
+        moved = 0
+        if new_size < old_size:  # the departing ranks' experts go to the survivors first, over the old group
+            moved = reshuffle(self.models.rank_layers, self.group.process_group, old_size, new_size,
+                              self.models.num_local, timeout_s=self.spec.timeout_s).bytes_moved
+        if self.group.rank == 0:
+            self.store.set(self.spec.key("gen", generation.index, "switch"), f"{self.step},{old_size}")
+        self.pending, self.next_generation = None, generation.index + 1
+        if self.member not in generation.members:
+            self.result.left_at_step = self.step
+            return False
+        self.group.switch_()
+        self._after_switch(generation, old_size, started=started, moved=moved)
+        return True
+
+    def _after_switch(self, generation: Generation, old_size: int, *, joined: bool = False,
+                      started: float | None = None, moved: int = 0) -> None:
+        started = time.monotonic() if started is None else started
+        self.next_generation = generation.index + 1
+        if generation.size > old_size:  # the new ranks get their experts, over the new group
+            moved += reshuffle(self.models.rank_layers, self.group.process_group, old_size, generation.size,
+                               self.models.num_local, timeout_s=self.spec.timeout_s).bytes_moved
+        self.result.resizes.append({
+            "generation": generation.index, "old_size": old_size, "new_size": generation.size,
+            "first_step": self.step, "joined": joined, "switch_s": time.monotonic() - started, "bytes_moved": moved,
+        })
+
+
+ABANDONED = "abandoned"  # the value of a generation's switch key when its resize was given up
+
+
+class ResizeAbandoned(RuntimeError):
+    """A joining member's resize was given up before it switched: it leaves without serving."""
+
+
+def run_member(member: int, max_ranks: int, store_address: str, spec: ElasticSpec,
+               first_generation: int | None) -> dict:
+    """A member process's body (``launch._entry`` calls it as a rank function)."""
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        try:
+            return asdict(ElasticMember(member, spec, first_generation).run())
+        except ResizeAbandoned as abandoned:
+            return {"member": member, "abandoned_join": str(abandoned)}

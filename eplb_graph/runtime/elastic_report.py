@@ -1,0 +1,128 @@
+"""An elastic run's ``report.json`` and timeline plot, from the members' step records.
+
+Member 0 is rank 0 of every generation (surviving ranks keep their numbers, the last ones
+leave), so its step-end times are the group's timeline: per resize, the time from the
+coordinator's request to the first step completed at the new size
+(``reconfiguration_seconds``), the longest gap with no step completing in that window
+(``serving_pause_seconds``), and the steps in it that took more than three times the
+run's median step (``steps_paused``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+SLOW_STEP_FACTOR = 3.0  # a step this many times the median counts as paused
+
+
+def _served(members: list[dict]) -> list[dict]:
+    return [m for m in members if "steps" in m]
+
+
+def resize_entry(request: dict, timeline: list[tuple[float, int, int]], median_gap: float,
+                 members: list[dict]) -> dict:
+    """One resize, from member 0's (end time, step, size) records after the request."""
+    entry = {key: request[key] for key in ("generation", "old_size", "new_size", "at_step", "outcome")}
+    after = [(t, step, size) for t, step, size in timeline if t >= request["requested_s"]]
+    first_new = next(((t, step) for t, step, size in after if size == request["new_size"]), None)
+    entry["reconfiguration_seconds"] = None if first_new is None else round(first_new[0] - request["requested_s"], 4)
+    entry["first_step_at_new_size"] = None if first_new is None else first_new[1]
+    window = [t for t, _, _ in after if first_new is None or t <= first_new[0]]
+    ends = [request["requested_s"], *window]
+    gaps = [b - a for a, b in zip(ends, ends[1:])]
+    entry["serving_pause_seconds"] = round(max(gaps, default=0.0), 4)
+    entry["steps_paused"] = sum(gap > SLOW_STEP_FACTOR * median_gap for gap in gaps[1:])
+    moves = [r for m in members for r in m.get("resizes", []) if r["generation"] == request["generation"]]
+    entry["bytes_moved"] = sum(r["bytes_moved"] for r in moves)
+    entry["switch_seconds_max"] = round(max((r["switch_s"] for r in moves), default=0.0), 4)
+    return entry
+
+
+def summarize_elastic(cfg, plan: tuple[int, ...], max_ranks: int, raw: dict) -> dict:
+    members = _served(raw["members"])
+    lead = next(m for m in members if m["member"] == 0)
+    timeline = list(zip(lead["step_end_s"], lead["steps"], lead["step_size"]))
+    gaps = [b - a for a, b in zip(lead["step_end_s"], lead["step_end_s"][1:])]
+    median_gap = statistics.median(gaps) if gaps else 0.0
+    resizes = [resize_entry(request, timeline, median_gap, members) for request in raw["requests"]]
+    joiners = [m["join_prepare_s"] for m in members if m.get("join_prepare_s") is not None]
+    return {
+        "mode": cfg.mode, "steps": cfg.steps, "scale_plan": list(plan), "max_ranks": max_ranks,
+        "reconfigurations": sum(r["outcome"] == "switched" for r in resizes),
+        "resizes_abandoned": sum(r["outcome"] == "abandoned" for r in resizes),
+        "resizes": resizes,
+        "steps_served": {str(m["member"]): len(m["steps"]) for m in members},
+        "batches_served": sum(len(m["steps"]) for m in members),
+        "tokens": sum(m["tokens"] for m in members),
+        "output_mismatches": sum(m["output_mismatches"] for m in members),
+        "max_abs_diff": max(m["max_abs_diff"] for m in members),
+        "recompiles": sum(m["recompiles"] for m in members),  # after each member's warm-up: the serving path
+        "recaptures": None,  # nothing is captured on the host
+        "state_bytes_sent": sum(m["state_bytes_sent"] for m in members),
+        "join_prepare_seconds_max": round(max(joiners), 4) if joiners else None,
+        "step_p50_ms": round(median_gap * 1e3, 3),
+        "spares_unused": sum("steps" not in m for m in raw["members"]),
+    }
+
+
+def failed_elastic_invariants(report: dict) -> list[str]:
+    problems = []
+    if report["output_mismatches"]:
+        problems.append(f"{report['output_mismatches']} steps' outputs differ from the one-process reference")
+    if report["recompiles"]:
+        problems.append(f"{report['recompiles']} recompiles on the serving path")
+    if report["resizes_abandoned"] or report["reconfigurations"] < len(report["scale_plan"]) - 1:
+        problems.append(f"{report['reconfigurations']} of {len(report['scale_plan']) - 1} planned resizes switched")
+    return problems
+
+
+def write_elastic_plot(out: Path, raw: dict) -> Path:
+    """Step latency and group size over time, member 0's view, resize requests marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lead = next(m for m in _served(raw["members"]) if m["member"] == 0)
+    start = lead["step_end_s"][0]
+    times = [t - start for t in lead["step_end_s"]]
+    latency = [1e3 * (b - a) for a, b in zip(lead["step_end_s"], lead["step_end_s"][1:])]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.plot(times[1:], latency, lw=0.8, label="step (ms)")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("step latency (ms)")
+    sizes = ax.twinx()
+    sizes.step(times, lead["step_size"], where="post", color="tab:green", label="EP ranks")
+    sizes.set_ylabel("EP ranks")
+    for request in raw["requests"]:
+        ax.axvline(request["requested_s"] - start, color="tab:red", ls="--", lw=0.8)
+    ax.set_title("elastic EP: step latency and group size (dashed: resize requested)")
+    fig.tight_layout()
+    path = out / "elastic_timeline.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_elastic_report(out: Path, cfg, plan: tuple[int, ...], max_ranks: int, raw: dict, *, as_json: bool) -> int:
+    """report.json and the timeline in ``out``, a summary on stdout; the exit code (1: an invariant failed)."""
+    report = summarize_elastic(cfg, plan, max_ranks, raw)
+    report["failed_invariants"] = problems = failed_elastic_invariants(report)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    plot = write_elastic_plot(out, raw)
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return 1 if problems else 0
+    for resize in report["resizes"]:
+        seconds = "n/a" if resize["reconfiguration_seconds"] is None else resize["reconfiguration_seconds"]
+        print(f"{resize['old_size']} -> {resize['new_size']} ranks at step {resize['at_step']}: {resize['outcome']}, "
+              f"serving at the new size after {seconds} s, longest pause {resize['serving_pause_seconds']} s, "
+              f"{resize['bytes_moved']} bytes moved")
+    print(f"{report['batches_served']} batches, output mismatches {report['output_mismatches']}, "
+          f"recompiles {report['recompiles']}; wrote {out / 'report.json'}, {plot}")
+    for problem in problems:
+        print(f"FAILED: {problem}", file=sys.stderr)
+    return 1 if problems else 0

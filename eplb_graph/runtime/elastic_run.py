@@ -1,0 +1,189 @@
+"""``eplb-graph run --scale-plan 2,4,2``: an elastic run, resized at fixed steps by a coordinator.
+
+The coordinator (this process) hosts the TCP store every member joins through, starts the
+first generation's member processes, and at each planned step -- read from the step
+counter rank 0 keeps in the store -- asks for the next size: it starts the joining members
+(new processes, new member ids) or names the survivors, and announces the generation.
+The members do the rest between two of their steps (``elastic_member``). The report says
+per resize how long the group took from the request to serving at the new size, and the
+longest gap with no step completing.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from eplb_graph.runtime.elastic_group import Generation, announce_generation
+from eplb_graph.runtime.elastic_member import ABANDONED, ElasticSpec, run_member
+from eplb_graph.runtime.elastic_reshuffle import check_new_size
+from eplb_graph.runtime.launch import Heartbeat, RankFailure, _entry, free_port
+
+
+def parse_scale_plan(text: str) -> tuple[int, ...]:
+    """'2,4,2' -> (2, 4, 2): the first generation's size, then each resize's."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--scale-plan takes sizes separated by commas, e.g. 2,4,2; got {text!r}") from None
+    if len(sizes) < 2:
+        raise ValueError(f"--scale-plan needs a first size and at least one resize, got {text!r}")
+    return sizes
+
+
+def check_scale_plan(plan: tuple[int, ...], num_logical: int, num_local: int, max_ranks: int) -> None:
+    for size in plan:
+        check_new_size(size, num_logical, num_local, max_ranks)
+
+
+@dataclass
+class ResizeRequest:
+    generation: int
+    old_size: int
+    new_size: int
+    requested_s: float  # monotonic
+    at_step: int
+    members: tuple[int, ...]
+    outcome: str = "pending"  # "switched" | "abandoned"
+
+
+@dataclass
+class ElasticRun:
+    spec: ElasticSpec
+    plan: tuple[int, ...]
+    ctx: object = field(default_factory=lambda: mp.get_context("spawn"))
+
+    def __post_init__(self) -> None:
+        self.store = dist.TCPStore(self.spec.store_host, self.spec.store_port, is_master=True,
+                                   wait_for_workers=False, timeout=timedelta(seconds=self.spec.timeout_s))
+        self.results = self.ctx.Queue()
+        self.processes: dict[int, object] = {}
+        self.done: dict[int, dict] = {}
+        self.failures: dict[int, str] = {}
+        self.requests: list[ResizeRequest] = []
+        self.spares: list[int] = []
+
+    def start(self, member: int, first_generation: int | None) -> None:
+        address = f"{self.spec.store_host}:{self.spec.store_port}"
+        args = (self.spec, first_generation)
+        process = self.ctx.Process(target=_entry, daemon=True, args=(
+            run_member, member, self.spec.max_ranks, address, args, self.results, Heartbeat(self.ctx), False))
+        process.start()
+        self.processes[member] = process
+
+    def progress(self) -> int:
+        key = self.spec.key("step")
+        return int(self.store.get(key)) if self.store.check([key]) else 0
+
+    def new_member(self) -> int:
+        return max(self.processes) + 1
+
+    def top_up_spares(self, count: int) -> None:
+        """Warm spares: member processes that build and compile now and wait in the store."""
+        while len(self.spares) < count:
+            member = self.new_member()
+            self.start(member, None)
+            self.spares.append(member)
+
+    def request(self, generation: int, members: tuple[int, ...], new_size: int) -> tuple[int, ...]:
+        """Assigns spares (or starts new processes) to join, announces the generation; returns its members."""
+        new_members = members[:new_size]
+        for _ in range(new_size - len(members)):
+            if self.spares:
+                member = self.spares.pop(0)
+                self.store.set(self.spec.key("spare", member), str(generation))
+            else:
+                member = self.new_member()
+                self.start(member, generation)
+            new_members += (member,)
+        self.requests.append(ResizeRequest(generation, len(members), new_size, time.monotonic(), self.progress(),
+                                           new_members))
+        announce_generation(self.store, self.spec.name, Generation(generation, new_members))
+        return new_members
+
+    def outcome(self, request: ResizeRequest) -> str:
+        key = self.spec.key("gen", request.generation, "switch")
+        if not self.store.check([key]):
+            return "pending"
+        return "abandoned" if self.store.get(key).decode() == ABANDONED else "switched"
+
+    def run(self, spares: int, timeout_s: float = 600.0) -> dict:
+        cfg = self.spec.cfg
+        members = tuple(range(self.plan[0]))
+        announce_generation(self.store, self.spec.name, Generation(0, members))
+        for member in members:
+            self.start(member, 0)
+        self.top_up_spares(spares)
+        resize_steps = [cfg.steps * index // len(self.plan) for index in range(1, len(self.plan))]
+        generation, started = 1, time.monotonic()
+        try:
+            while len(self.done) + len(self.failures) < len(self.processes):
+                self._collect()
+                if self.failures or time.monotonic() - started > timeout_s:
+                    break
+                pending = self.requests and self.requests[-1].outcome == "pending"
+                if pending:
+                    self.requests[-1].outcome = self.outcome(self.requests[-1])
+                    if self.requests[-1].outcome == "switched":
+                        members = self.requests[-1].members
+                        if resize_steps:
+                            self.top_up_spares(spares)
+                elif not resize_steps and self.spares:
+                    self.release_spares()
+                elif resize_steps and self.progress() >= resize_steps[0]:
+                    resize_steps.pop(0)
+                    self.request(generation, members, self.plan[len(self.requests) + 1])
+                    generation += 1
+        finally:
+            for process in self.processes.values():
+                if process.is_alive():
+                    process.kill()
+                process.join(5)
+        if self.failures:
+            raise RankFailure(self.failures, self.done)
+        if len(self.done) < len(self.processes):
+            raise RankFailure({m: f"still running after {timeout_s:.0f} s" for m in self.processes
+                               if m not in self.done}, self.done)
+        return {"requests": [vars(r) for r in self.requests], "members": [self.done[m] for m in sorted(self.done)]}
+
+    def release_spares(self) -> None:
+        """No resize is left: the spares end without serving."""
+        for member in self.spares:
+            self.store.set(self.spec.key("spare", member), "stop")
+        self.spares = []
+
+    def _collect(self) -> None:
+        try:
+            member, ok, value = self.results.get(timeout=0.05)
+            (self.done if ok else self.failures)[member] = value
+        except queue.Empty:
+            for member, process in self.processes.items():
+                if member not in self.done and member not in self.failures and not process.is_alive():
+                    try:
+                        m, ok, value = self.results.get(timeout=1.0)
+                        (self.done if ok else self.failures)[m] = value
+                    except queue.Empty:
+                        self.failures[member] = f"process died with exit code {process.exitcode}"
+
+
+def run_elastic(cfg, plan: tuple[int, ...], max_ranks: int, *, spares: int | None = None, deadline_s: float = 30.0,
+                timeout_s: float = 600.0) -> dict:
+    """The whole scripted run; the raw per-member results and requests (``elastic_report`` reads them)."""
+    cfg.validate()
+    check_scale_plan(plan, cfg.num_experts, cfg.num_physical // cfg.ranks, max_ranks)
+    if plan[0] != cfg.ranks:
+        raise ValueError(f"--scale-plan starts at {plan[0]} ranks but --ranks is {cfg.ranks}")
+    if not deadline_s > 0:
+        raise ValueError(f"--resize-deadline must be > 0 seconds, got {deadline_s}")
+    if not cfg.eplb:
+        raise ValueError("--scale-plan moves experts with EPLB: it needs EPLB on")
+    spec = ElasticSpec(cfg, max_ranks, "127.0.0.1", free_port(), deadline_s=deadline_s)
+    # enough warm spares for the largest step up the plan takes
+    if spares is None:
+        spares = max(max(0, after - before) for before, after in zip(plan, plan[1:]))
+    return ElasticRun(spec, plan).run(spares, timeout_s)

@@ -1,0 +1,57 @@
+"""``runtime/elastic_report.py``: what a resize cost, read from member 0's step timeline."""
+
+import json
+
+from eplb_graph.runtime.config import RunConfig
+from eplb_graph.runtime.elastic_report import failed_elastic_invariants, summarize_elastic, write_elastic_report
+
+CFG = RunConfig(ranks=2, steps=8)
+
+
+def member(index, ends, sizes, **extra):
+    steps = list(range(len(ends)))
+    return {"member": index, "step_end_s": ends, "step_size": sizes, "steps": steps, "output_mismatches": 0,
+            "max_abs_diff": 0.0, "recompiles": 0, "tokens": 16 * len(ends), "resizes": [], "abandoned": [],
+            "state_bytes_sent": 0, "join_prepare_s": None, "left_at_step": None, **extra}
+
+
+def raw_run():
+    # member 0: steps every 10 ms, a 2 -> 4 resize requested at t=1.025 that serves at 4 from t=1.30
+    ends = [1.00, 1.01, 1.02, 1.03, 1.04, 1.30, 1.31, 1.32]
+    sizes = [2, 2, 2, 2, 2, 4, 4, 4]
+    resize = {"generation": 1, "old_size": 2, "new_size": 4, "first_step": 5, "joined": False, "switch_s": 0.2,
+              "bytes_moved": 1000}
+    joiner = member(2, [1.30, 1.31, 1.32], [4, 4, 4], join_prepare_s=0.05,
+                    resizes=[dict(resize, joined=True, bytes_moved=500)])
+    return {
+        "requests": [{"generation": 1, "old_size": 2, "new_size": 4, "requested_s": 1.025, "at_step": 3,
+                      "members": [0, 1, 2, 3], "outcome": "switched"}],
+        "members": [member(0, ends, sizes, resizes=[resize]), member(1, ends, sizes), joiner, {"member": 9}],
+    }
+
+
+def test_a_resize_is_timed_from_its_request_to_the_first_step_at_the_new_size():
+    report = summarize_elastic(CFG, (2, 4), 4, raw_run())
+    (resize,) = report["resizes"]
+    assert resize["reconfiguration_seconds"] == 0.275 and resize["first_step_at_new_size"] == 5
+    assert resize["serving_pause_seconds"] == 0.26  # 1.04 -> 1.30, no step completed
+    assert resize["steps_paused"] == 1 and resize["bytes_moved"] == 1500
+    assert report["reconfigurations"] == 1 and report["spares_unused"] == 1 and report["join_prepare_seconds_max"] == 0.05
+    assert failed_elastic_invariants(report) == []
+
+
+def test_a_mismatch_a_recompile_or_a_resize_that_did_not_switch_fails_the_run():
+    raw = raw_run()
+    raw["members"][1]["output_mismatches"] = 2
+    raw["members"][2]["recompiles"] = 1
+    raw["requests"][0]["outcome"] = "abandoned"
+    assert failed_elastic_invariants(summarize_elastic(CFG, (2, 4), 4, raw)) == [
+        "2 steps' outputs differ from the one-process reference", "1 recompiles on the serving path",
+        "0 of 1 planned resizes switched"]
+
+
+def test_the_report_and_timeline_are_written(tmp_path, capsys):
+    assert write_elastic_report(tmp_path, CFG, (2, 4), 4, raw_run(), as_json=False) == 0
+    assert json.loads((tmp_path / "report.json").read_text())["reconfigurations"] == 1
+    assert (tmp_path / "elastic_timeline.png").stat().st_size > 0
+    assert "2 -> 4 ranks at step 3: switched, serving at the new size after 0.275 s" in capsys.readouterr().out

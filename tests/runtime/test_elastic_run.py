@@ -1,0 +1,51 @@
+"""``runtime/elastic_run.py`` with its members: the group resized 2 -> 4 -> 2 while it serves.
+
+Real processes joined through a TCP store, real gloo groups, upstream's policy and weight
+move; every step of every member checked against the one-process reference.
+"""
+
+import pytest
+
+from eplb_graph.runtime.config import RunConfig
+from eplb_graph.runtime.elastic_report import failed_elastic_invariants, summarize_elastic
+from eplb_graph.runtime.elastic_run import parse_scale_plan, run_elastic
+
+
+@pytest.mark.launches  # rank processes: left out by make test-fast
+def test_a_compiled_group_grows_and_shrinks_with_no_recompile_and_every_output_equal():
+    cfg = RunConfig(mode="compiled", backend="aot_eager", ranks=2, steps=90)
+    raw = run_elastic(cfg, (2, 4, 2), 4, timeout_s=400)
+    report = summarize_elastic(cfg, (2, 4, 2), 4, raw)
+    assert failed_elastic_invariants(report) == []
+    assert report["reconfigurations"] == 2 and report["output_mismatches"] == 0 and report["recompiles"] == 0
+    up, down = report["resizes"]
+    assert (up["old_size"], up["new_size"], down["old_size"], down["new_size"]) == (2, 4, 4, 2)
+    for resize in (up, down):
+        assert resize["reconfiguration_seconds"] is not None and resize["bytes_moved"] > 0
+    members = {m["member"]: m for m in raw["members"] if "steps" in m}
+    assert len(members[0]["steps"]) == len(members[1]["steps"]) == 90  # the founders served every step
+    joined = [m for m in members.values() if m["member"] >= 2]
+    assert len(joined) == 2 and all(m["left_at_step"] == down["first_step_at_new_size"] for m in joined)
+    assert all(set(m["step_size"]) == {4} for m in joined)  # a joiner serves only at the new size
+    assert report["state_bytes_sent"] > 0  # the non-expert weights went from rank 0 to both joiners
+
+
+@pytest.mark.launches
+def test_a_resize_past_its_deadline_is_given_up_and_the_group_serves_on_at_its_size():
+    cfg = RunConfig(mode="eager", ranks=2, steps=40)
+    raw = run_elastic(cfg, (2, 4), 4, deadline_s=1e-3, timeout_s=300)
+    report = summarize_elastic(cfg, (2, 4), 4, raw)
+    assert report["reconfigurations"] == 0 and report["resizes_abandoned"] == 1
+    assert report["output_mismatches"] == 0 and report["steps_served"] == {"0": 40, "1": 40}
+    joiners = [m for m in raw["members"] if m["member"] >= 2]
+    assert len(joiners) == 2 and all("was given up" in m["abandoned_join"] for m in joiners)  # and left unserved
+    assert failed_elastic_invariants(report) == ["0 of 1 planned resizes switched"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("2", "needs a first size and at least one resize"),
+    ("2,x", "sizes separated by commas"),
+])
+def test_a_plan_that_is_not_one_is_refused(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_scale_plan(text)
