@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tests.npu_emulation import hccl
 from tests.npu_emulation.dispatch import NpuFallback, register, register_copies
 from tests.npu_emulation.graphs import CaptureState, GraphCaptureError, NPUGraph
-from tests.npu_emulation.npu_module import EmulatedNpuModule
+from tests.npu_emulation.npu_module import EmulatedNpuModule, HostGenerator
 from tests.npu_emulation.storage import HostBackedStorage
 
 MODULE_ENV = "EPLB_GRAPH_NPU_MODULE"
@@ -74,11 +75,15 @@ def install(device_count: int = DEVICE_COUNT) -> NpuEmulation:
     module = EmulatedNpuModule(device_count, capture, rerun, storage.host_view)
     _setup_privateuseone_for_python_backend("npu", backend_module=module)
     storage.device = torch.device("npu", 0)
+    torch.Generator = HostGenerator  # for the whole process: see HostGenerator
     fallback_lib = torch.library.Library("_", "IMPL")
     register(fallback_lib, fallback)
     aten_lib = torch.library.Library("aten", "IMPL")
     register_copies(aten_lib, fallback)
-    emulation = NpuEmulation(storage, fallback, capture, module, (fallback_lib, aten_lib))
+    hccl.register(storage.host_view, capture)
+    functional_lib = torch.library.Library("_c10d_functional", "IMPL")
+    hccl.register_functional(functional_lib)
+    emulation = NpuEmulation(storage, fallback, capture, module, (fallback_lib, aten_lib, functional_lib))
     _INSTALLED.append(emulation)
     return emulation
 

@@ -39,10 +39,17 @@ class _Entry:
 
 
 @dataclass
+class _Call:
+    """Work that is not an op on the device (a collective): replayed by calling it again."""
+
+    run: Callable[[], object]
+
+
+@dataclass
 class CaptureState:
     """The one capture in progress in this process, if any (ACL captures one stream at a time)."""
 
-    tape: list[_Entry] | None = None
+    tape: list[_Entry | _Call] | None = None
     graphs_captured: int = 0
     replays: int = 0
     violations: list[str] = field(default_factory=list)
@@ -61,6 +68,10 @@ class CaptureState:
             self.violations.append(message)
             raise GraphCaptureError(message)
         self.tape.append(_Entry(op, args, kwargs, result))
+
+    def record_call(self, run: Callable[[], object]) -> None:
+        if self.tape is not None:
+            self.tape.append(_Call(run))
 
 
 def _host_tensor_of_data(value: object) -> bool:
@@ -105,7 +116,10 @@ class NPUGraph:
             self._replay(entry)
         self._state.replays += 1
 
-    def _replay(self, entry: _Entry) -> None:
+    def _replay(self, entry: _Entry | _Call) -> None:
+        if isinstance(entry, _Call):
+            entry.run()
+            return
         if entry.op in _ALLOCATIONS:
             return  # the graph's pool holds what the capture allocated; an out= op may have resized it since
         fresh = self._rerun(entry.op, entry.args, entry.kwargs)

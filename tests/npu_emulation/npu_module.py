@@ -53,6 +53,19 @@ class Event(torch.Event):
         return (end._recorded_at - self._recorded_at) * 1000.0  # milliseconds, like a device event
 
 
+class HostGenerator(torch.Generator):
+    """``torch.Generator("npu")``, drawn on the host: torch 2.13's Python backend cannot make a
+    device generator ("implement `getNewGenerator` ... for PrivateUse1"), and random ops on the
+    emulated device run torch's CPU kernels, which take a CPU generator."""
+
+    def __new__(cls, device="cpu"):
+        device = torch.device(device)
+        return super().__new__(cls, "cpu" if device.type == "npu" else device)
+
+    def __init__(self, device="cpu") -> None:
+        pass
+
+
 class EmulatedNpuModule:
     """Registered as ``torch.npu`` (``torch._register_device_module``); one per process."""
 
