@@ -34,6 +34,7 @@ class NpuFallback:
         self.storage = storage
         self.on_op = on_op  # (op, args, kwargs, result): the capture's tape, when one is recording
         self.ops_seen: set[str] = set()
+        self.cross_device_copies = 0  # host <-> device copies (_copy_from with one side on the host)
 
     # -- the boxed fallback ------------------------------------------------------------
 
@@ -116,6 +117,7 @@ class NpuFallback:
         host_src = self.storage.host_view(src) if _is_npu(src) else src
         host_dst = self.storage.host_view(dst) if _is_npu(dst) else dst
         host_dst.copy_(host_src)
+        self.cross_device_copies += int(src.device.type != dst.device.type)
         self.on_op(aten._copy_from.default, (src, dst, non_blocking), {}, dst)
         return dst
 

@@ -94,3 +94,9 @@ def test_replay_inside_a_capture_is_refused(npu_emulation):
     with pytest.raises(GraphCaptureError):
         with torch.npu.graph(torch.npu.NPUGraph()):
             first.replay()
+
+
+def test_pinned_host_memory_is_refused_by_the_python_backend(npu_emulation):
+    """What a staging pool on this emulation meets: torch 2.13's Python backend has no pinned allocator."""
+    with pytest.raises(NotImplementedError, match="getPinnedMemoryAllocator"):
+        torch.empty(4, pin_memory=True)
