@@ -70,16 +70,17 @@ class NpuGraph(TorchDeviceGraph):
 
 
 def device_graph_factory(device: torch.device | str) -> Callable[[], DeviceGraph]:
-    device = torch.device(device)
-    if device.type == "cuda":
+    # "npu" is no device string until the npu device is loaded: read the type without parsing
+    device_type = device.split(":")[0] if isinstance(device, str) else device.type
+    if device_type == "cuda":
         return CudaGraph
-    if device.type == "npu":
+    if device_type == "npu":
         from eplb_graph.npu_backend import require_npu
 
         require_npu()
         return NpuGraph
     raise ValueError(
-        f"no graph capture on device {device.type!r}: graph mode captures CUDA or NPU graphs "
+        f"no graph capture on device {device_type!r}: graph mode captures CUDA or NPU graphs "
         f"(on CPU the compiled mode is the graph mode)"
     )
 
