@@ -3,7 +3,8 @@
 Devices, streams and events are bookkeeping over synchronous host work: a kernel "launched" on
 the emulated device has finished when the call returns, so ``synchronize`` and event waits
 return at once and streams only carry identity. Device indices are checked against
-``device_count`` as a driver would.
+``device_count`` as a driver would and tracked here; torch 2.13's Python device guard has no
+index hooks, so ``torch.accelerator``, ``torch.Stream`` and tensors report index 0.
 """
 
 from __future__ import annotations
@@ -17,12 +18,20 @@ import torch
 from tests.npu_emulation.graphs import CaptureState, NPUGraph, graph
 
 
+def _index(device) -> int:
+    """The device index of an int, a device or a device string; None: the current device."""
+    if device is None:
+        return torch.npu.current_device()
+    if isinstance(device, int):
+        return device
+    return torch.device(device).index or 0
+
+
 class Stream(torch.Stream):
     """``torch.npu.Stream``: a ``torch.Stream`` of device type npu."""
 
     def __new__(cls, device=None, priority: int = 0, **kwargs):
-        index = torch.npu.current_device() if device is None else torch.device(device, 0).index or 0
-        return super().__new__(cls, device=torch.device("npu", index), priority=priority)
+        return super().__new__(cls, device=torch.device("npu", _index(device)), priority=priority)
 
     def synchronize(self) -> None:
         return None
@@ -98,7 +107,7 @@ class EmulatedNpuModule:
         return self._current
 
     def set_device(self, device) -> None:
-        index = device if isinstance(device, int) else torch.device(device).index or 0
+        index = _index(device)
         if not 0 <= index < self._device_count:
             raise RuntimeError(f"npu emulation: device index {index} out of range ({self._device_count} devices)")
         self._current = index

@@ -13,6 +13,7 @@ names it.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ class HostBackedStorage:
         self.device = device
         self._by_address: dict[int, _Backing] = {}
         self._prune_at = 1024
+        self._lock = threading.Lock()  # the EPLB worker thread allocates on the device too
 
     def __len__(self) -> int:
         return len(self._by_address)
@@ -86,7 +88,8 @@ class HostBackedStorage:
         )
 
     def _remember(self, host: torch.UntypedStorage, device_storage: torch.UntypedStorage) -> None:
-        if len(self._by_address) >= self._prune_at:
-            self._by_address = {a: b for a, b in self._by_address.items() if not b.device_storage.expired()}
-            self._prune_at = max(1024, 2 * len(self._by_address))
-        self._by_address[host.data_ptr()] = _Backing(host, StorageWeakRef(device_storage))
+        with self._lock:
+            if len(self._by_address) >= self._prune_at:
+                self._by_address = {a: b for a, b in self._by_address.items() if not b.device_storage.expired()}
+                self._prune_at = max(1024, 2 * len(self._by_address))
+            self._by_address[host.data_ptr()] = _Backing(host, StorageWeakRef(device_storage))

@@ -49,6 +49,7 @@ def test_device_api_slice(npu_emulation):
         torch.npu.set_device(8)
     stream = torch.npu.current_stream()
     assert stream.device.type == "npu"
+    assert torch.npu.Stream("npu:1").device.type == torch.npu.Stream(1).device.type == "npu"  # index: see above
     event = torch.npu.Event()
     event.record(stream)
     event.synchronize()

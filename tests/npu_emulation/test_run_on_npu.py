@@ -27,8 +27,10 @@ def test_graph_mode_on_npu_rearranges_between_replays_without_recapture(npu_emul
     assert "recaptures 0" in summary
 
 
-def test_inductor_is_refused_on_npu_before_any_process_starts(npu_emulation):
+def test_inductor_is_refused_on_npu_before_any_process_starts(npu_emulation, monkeypatch):
     from eplb_graph.runtime.config import RunConfig
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # vLLM's CPU platform sets it in-process
 
     with pytest.raises(ValueError, match="Inductor has no NPU code generation"):
         RunConfig(device="npu", mode="graph", backend="inductor").validate()
