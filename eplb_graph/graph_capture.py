@@ -38,28 +38,50 @@ class DeviceGraph(Protocol):
     def replay(self) -> None: ...
 
 
-class CudaGraph:
-    """``torch.cuda.CUDAGraph`` behind ``DeviceGraph``; each graph has its own memory pool
-    (sizes are replayed in any order, so pools are not shared)."""
+class TorchDeviceGraph:
+    """A device's own graph (``torch.cuda.CUDAGraph``, or torch_npu's ACL graph runner
+    ``torch.npu.NPUGraph``, the same API) behind ``DeviceGraph``; each graph has its own memory
+    pool (sizes are replayed in any order, so pools are not shared)."""
 
-    def __init__(self) -> None:
-        self._graph = torch.cuda.CUDAGraph()
+    GRAPH_CLASSES = {"cuda": "CUDAGraph", "npu": "NPUGraph"}
+
+    def __init__(self, device_type: str) -> None:
+        self._module = torch.get_device_module(device_type)
+        self._graph = getattr(self._module, self.GRAPH_CLASSES[device_type])()
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        with torch.cuda.graph(self._graph):
+        with self._module.graph(self._graph):
             return fn()
 
     def replay(self) -> None:
         self._graph.replay()
 
 
+class CudaGraph(TorchDeviceGraph):
+    def __init__(self) -> None:
+        super().__init__("cuda")
+
+
+class NpuGraph(TorchDeviceGraph):
+    """torch.npu exists only once the npu device is loaded (``npu_backend.require_npu``)."""
+
+    def __init__(self) -> None:
+        super().__init__("npu")
+
+
 def device_graph_factory(device: torch.device | str) -> Callable[[], DeviceGraph]:
-    device = torch.device(device)
-    if device.type == "cuda":
+    # "npu" is no device string until the npu device is loaded: read the type without parsing
+    device_type = device.split(":")[0] if isinstance(device, str) else device.type
+    if device_type == "cuda":
         return CudaGraph
+    if device_type == "npu":
+        from eplb_graph.npu_backend import require_npu
+
+        require_npu()
+        return NpuGraph
     raise ValueError(
-        f"no graph capture on device {device.type!r}: graph mode captures CUDA graphs "
-        f"(on CPU the compiled mode is the graph mode; NPU graphs need torch_npu)"
+        f"no graph capture on device {device_type!r}: graph mode captures CUDA or NPU graphs "
+        f"(on CPU the compiled mode is the graph mode)"
     )
 
 
@@ -133,18 +155,20 @@ class CapturedForward:
         return entry
 
     def _warm_up(self, static_input: torch.Tensor) -> None:
-        if self.device.type != "cuda":
+        if self.device.type not in ("cuda", "npu"):
             for _ in range(self.warmup_runs):
                 self.forward(static_input)
             return
         # On a side stream, as torch.cuda.graphs' make_graphed_callables: lazy initialisation
-        # (cuBLAS workspaces, Triton JIT, Inductor compilation) must not happen under capture.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        # (cuBLAS workspaces, Triton JIT, compilation) must not happen under capture. torch.npu
+        # has the same stream API.
+        streams = torch.get_device_module(self.device)
+        side = streams.Stream()
+        side.wait_stream(streams.current_stream())
+        with streams.stream(side):
             for _ in range(self.warmup_runs):
                 self.forward(static_input)
-        torch.cuda.current_stream().wait_stream(side)
+        streams.current_stream().wait_stream(side)
 
     @contextlib.contextmanager
     def _recording_off(self) -> Iterator[None]:

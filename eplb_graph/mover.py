@@ -1,7 +1,7 @@
 """``GlooStagedCommunicator``: upstream's ``EplbCommunicator`` contract over gloo, CPU-staged.
 
 The async worker moves expert tensors with this communicator. Device tensors are copied
-into reusable host staging buffers (pinned where the device supports it, keyed by dtype
+into reusable host staging buffers (pinned where the device has pinned memory, keyed by dtype
 and shape, so a steady rearrangement allocates nothing), exchanged with the gloo
 group's own send / recv on the EPLB CPU group, and copied back into the destination. The
 worker thread therefore never issues a device collective: foreground MoE communication
@@ -30,11 +30,25 @@ def _make_communicator_base():
     return EplbCommunicator
 
 
+def pinned_host_memory() -> tuple[bool, str | None]:
+    """(whether this process's accelerator gives pinned host memory, why not). CUDA and torch_npu
+    do; a device backend without a pinned allocator raises at the first pinned allocation, so
+    one is tried here rather than failing inside the worker's first transfer."""
+    if not torch.accelerator.is_available():
+        return False, "no accelerator in this process"
+    try:
+        torch.empty(1, pin_memory=True)
+    except (RuntimeError, NotImplementedError) as error:
+        return False, f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    return True, None
+
+
 class StagingPool:
     """Host buffers reused across transfers, keyed by (dtype, shape)."""
 
-    def __init__(self, pin_memory: bool) -> None:
+    def __init__(self, pin_memory: bool, unpinned_because: str | None = None) -> None:
         self.pin_memory = pin_memory
+        self.unpinned_because = None if pin_memory else unpinned_because or "pinning not asked for"
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
@@ -56,9 +70,10 @@ class GlooStagedCommunicator(_make_communicator_base()):
         self._stream = None
         self._ops: list[tuple[str, torch.Tensor, int]] = []
         self.timeout = timedelta(seconds=timeout_s)
-        if pin_memory is None:
-            pin_memory = torch.cuda.is_available()
-        self.staging = StagingPool(pin_memory)
+        unpinned_because = None
+        if pin_memory is None:  # pinned where the device has it (CUDA, NPU): D2H and H2D copies at full speed
+            pin_memory, unpinned_because = pinned_host_memory()
+        self.staging = StagingPool(pin_memory, unpinned_because)
         self.bytes_sent = 0
         self.bytes_received = 0
 

@@ -77,6 +77,7 @@ def _run_config(args: argparse.Namespace, **overrides):
         decode_tokens=args.decode_tokens, prefill_tokens=args.prefill_tokens, capture_sizes=args.capture_sizes,
         policy_process=args.policy_process, expert_kernel=args.expert_kernel, cpp_wrapper=args.cpp_wrapper,
         threads=args.threads, stall_steps=args.stall_steps, stall_seconds=args.stall_seconds,
+        backend="aot_eager" if args.device == "npu" else "inductor",  # Inductor has no NPU code generation
     )
     fields.update(overrides)
     config = RunConfig(**fields)

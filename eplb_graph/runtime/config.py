@@ -114,7 +114,7 @@ class RunConfig:
                     f"GPU), {torch.cuda.device_count()} visible"
                 )
         if self.device == "npu":
-            raise ValueError("device 'npu': the NPU runtime needs torch_npu and an ACL graph runner, not available here")
+            check_npu(self.ranks, self.backend)
         check_expert_layout(self.num_experts, self.num_physical - self.num_experts, self.top_k, self.ranks)
         for name in ("step_interval", "window_size"):  # upstream's EPLBConfig would refuse them inside each rank
             if getattr(self, name) < 1:
@@ -136,6 +136,22 @@ class RunConfig:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 per rank, got {self.threads}")
         self.stall_bound().validate(("--stall-steps", "--stall-seconds", "on_stall"))
+
+
+def check_npu(ranks: int, backend: str) -> None:
+    """Where an NPU run can start: ValueError naming what is missing, before any process starts."""
+    from eplb_graph.npu_backend import npu_unavailable
+
+    why = npu_unavailable()
+    if why is not None:
+        raise ValueError(f"device 'npu': the NPU runtime needs torch_npu and an ACL graph runner: {why}")
+    on_this_machine = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+    if on_this_machine > torch.npu.device_count():
+        raise ValueError(f"device 'npu': {on_this_machine} ranks need {on_this_machine} NPUs (HCCL runs one rank per "
+                         f"NPU), {torch.npu.device_count()} visible")
+    if backend == "inductor":
+        raise ValueError("device 'npu': Inductor has no NPU code generation; graph mode on NPU captures the Dynamo "
+                         "graph run as aten ops (backend aot_eager) into NPU graphs")
 
 
 def collectives_refuse_cpp_wrapper() -> bool:

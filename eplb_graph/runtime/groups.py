@@ -111,6 +111,10 @@ def shutdown_expert_parallel() -> None:
     parallel_state.destroy_distributed_environment()
 
 
+# The activation group's collective library per device (the EPLB worker always uses gloo).
+DEVICE_GROUP_BACKENDS = {"cuda": "nccl", "npu": "hccl"}
+
+
 @contextlib.contextmanager
 def rank_session(rank: int, world_size: int, init_method: str, cfg: RunConfig) -> Iterator[tuple]:
     """This process as one EP rank: vLLM's groups with the run's EPLB window and interval, the
@@ -126,10 +130,15 @@ def rank_session(rank: int, world_size: int, init_method: str, cfg: RunConfig) -
     torch.set_num_threads(rank_threads(cfg, local_world))
     if cfg.device == "cuda":
         torch.cuda.set_device(local_rank)
+    if cfg.device == "npu":
+        from eplb_graph.npu_backend import require_npu
+
+        require_npu()  # this process's npu device: torch_npu, or the module EPLB_GRAPH_NPU_MODULE names
+        torch.npu.set_device(local_rank)
     config = init_expert_parallel(
         rank, world_size, init_method, local_rank=local_rank, num_redundant_experts=cfg.num_physical - cfg.num_experts,
         window_size=cfg.window_size, step_interval=cfg.step_interval, timeout_s=60,
-        backend="nccl" if cfg.device == "cuda" else "gloo",
+        backend=DEVICE_GROUP_BACKENDS.get(cfg.device, "gloo"),
     )
     with set_current_vllm_config(config), torch.no_grad():
         ep_group = get_ep_group()

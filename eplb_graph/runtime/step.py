@@ -46,6 +46,8 @@ def rank_device(cfg: RunConfig) -> torch.device:
     default to device 0 unless told which device their rank owns."""
     if cfg.device == "cuda":
         return torch.device("cuda", torch.cuda.current_device())  # set by rank_session
+    if cfg.device == "npu":
+        return torch.device("npu", torch.npu.current_device())  # set by rank_session
     return torch.device(cfg.device)
 
 
@@ -53,6 +55,8 @@ def synchronize(device: torch.device) -> None:
     """Before reading a step's time: device work is asynchronous."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)
 
 
 @dataclass

@@ -32,14 +32,21 @@ def attach_after_load(runner) -> None:
     """Binds EPLB to a runner that just loaded its model (EPLB on only)."""
     if not runner.parallel_config.enable_eplb or getattr(runner, "eplb_graph", None) is not None:
         return
+    if not hasattr(runner, "eplb_state") and hasattr(runner, "eplb"):
+        raise RuntimeError(
+            f"eplb-graph does not support Model Runner V2 yet ({type(runner).__name__} keeps its EPLB state in "
+            f"runner.eplb, an EPLBController, not runner.eplb_state): serve with Model Runner V1 or without "
+            f"enable_eplb"
+        )
     from .worker import VllmEplbWorker
 
     runner.eplb_graph = VllmEplbWorker(runner)
 
 
 def wrap_load_model(runner_class: type) -> None:
-    """``load_model`` followed by ``attach_after_load``; once per class."""
-    upstream_load = runner_class.__dict__.get("load_model")
+    """``load_model`` followed by ``attach_after_load``; once per class. An inherited
+    ``load_model`` is wrapped too (vllm-ascend's V2 runner inherits vLLM's MRv2 one)."""
+    upstream_load = getattr(runner_class, "load_model", None)
     if upstream_load is None or getattr(upstream_load, _RUNNER_MARK, False):
         return
 

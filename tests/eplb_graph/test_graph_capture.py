@@ -165,3 +165,13 @@ def test_no_graph_capture_on_the_host():
         device_graph_factory("cpu")
     with pytest.raises(ValueError, match="capture sizes must be positive"):
         CapturedForward(lambda x: x, (), device="cpu", graph_tensors=list, graph_factory=HostReplayGraph)
+
+
+def test_npu_graphs_need_an_npu_device():
+    import os
+
+    if os.environ.get("EPLB_GRAPH_NPU_MODULE") or torch._C._get_privateuse1_backend_name() == "npu":
+        pytest.skip("an npu device is loaded in this process (tests/npu_emulation runs the NPU graph cases)")
+    with pytest.raises(RuntimeError, match="device 'npu': the NPU runtime needs torch_npu and an ACL graph runner: "
+                                           "torch_npu is not installed"):
+        device_graph_factory("npu")

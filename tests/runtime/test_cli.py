@@ -27,7 +27,7 @@ def no_launch(monkeypatch):
         (["--ranks", "3"], "20 physical experts do not divide over 3 ranks"),
         (["--format", "gptq_marlin"], "quantization format 'gptq_marlin' is not supported"),
         (["--expert-kernel", "fused"], "unknown expert kernel 'fused'; expected one of pairs, dense"),
-        (["--device", "npu"], "device 'npu'"),
+        (["--device", "npu"], "device 'npu': the NPU runtime needs torch_npu and an ACL graph runner: torch_npu is not installed"),
         (["--interval", "0"], "EPLB step_interval must be >= 1 step, got 0"),
         (["--redundant", "-1"], "redundant experts must be >= 0, got -1"),
         (["--experts", "0"], "experts must be >= 1, got 0"),
