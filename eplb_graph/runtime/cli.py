@@ -151,7 +151,7 @@ def _run(args: argparse.Namespace) -> int:
 def _run_elastic(args: argparse.Namespace) -> int:
     """``run --scale-plan``: the same runtime resized at fixed steps (``elastic_run``)."""
     from eplb_graph.runtime.elastic_report import write_elastic_report
-    from eplb_graph.runtime.elastic_run import parse_scale_plan, run_elastic
+    from eplb_graph.runtime.elastic_run import parse_kills, parse_scale_plan, run_elastic
 
     plan = parse_scale_plan(args.scale_plan)
     max_ranks = max(plan) if args.max_ranks is None else args.max_ranks
@@ -159,7 +159,8 @@ def _run_elastic(args: argparse.Namespace) -> int:
     if config.cpp_wrapper or config.policy_process or config.device != "cpu":
         raise ValueError("--scale-plan runs on the host (device cpu) without --cpp-wrapper or --policy-process")
     out = _output_dir(args.out)
-    raw = run_elastic(config, plan, max_ranks, deadline_s=args.resize_deadline, timeout_s=args.timeout)
+    kills = parse_kills(args.kill)
+    raw = run_elastic(config, plan, max_ranks, deadline_s=args.resize_deadline, timeout_s=args.timeout, kills=kills)
     return write_elastic_report(out, config, plan, max_ranks, raw, as_json=args.json)
 
 
@@ -292,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --scale-plan: the largest EP size tables and graphs are sized for (default: the plan's)")
     run.add_argument("--resize-deadline", type=float, default=30.0, metavar="S",
                      help="with --scale-plan: a resize not switched this long after its request is given up")
+    run.add_argument("--kill", action="append", default=[], metavar="MEMBER@STEP",
+                     help="with --scale-plan: SIGKILL member MEMBER once the group served STEP (the survivors recover)")
     run.set_defaults(func=_run)
 
     bench = commands.add_parser("bench", help="step latency: eager vs compiled, EPLB off / on-idle / rearranging")

@@ -14,6 +14,7 @@ two steps. ``ElasticEpGroup`` is also the slot the EP collective ops resolve by 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -190,6 +191,15 @@ class ElasticEpGroup:
         old, self._pg, self.generation = self._pg, pg, generation
         if old is not None:
             old.shutdown()
+
+    def abort(self) -> None:
+        """The current group lost a member: destroy it, keeping the generation. Only destroying the
+        last reference closes its connections (``shutdown`` does not), so a peer still waiting
+        inside one of its collectives fails at once instead of at the group's timeout."""
+        if self._pg is not None:
+            self._pg.shutdown()
+            self._pg = None
+            gc.collect()
 
     def leave(self) -> None:
         """This member is not in the next generation, or the run ends: its group goes."""

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from eplb_graph.runtime.compile import prepare_forward, unique_graphs
 from eplb_graph.runtime.config import RunConfig
 from eplb_graph.runtime.elastic_group import ElasticEpGroup, Generation, generation_announced, read_generation
+from eplb_graph.runtime.elastic_recovery import is_lost_peer, recover
 from eplb_graph.runtime.elastic_reshuffle import reshuffle
 from eplb_graph.runtime.elastic_stack import build_elastic_models, receive_state, send_state
 from eplb_graph.runtime.step import check_output
@@ -49,6 +50,7 @@ class ElasticSpec:
     name: str = "ep"
     deadline_s: float = 30.0  # announced -> switched, or the resize is given up
     timeout_s: float = 60.0  # any one collective or store wait
+    expert_source: str | None = None  # the experts on disk: a member that dies is recovered from it
 
     def key(self, *parts: object) -> str:
         return "/".join([self.name, *map(str, parts)])
@@ -69,6 +71,7 @@ class MemberResult:
     state_bytes_sent: int = 0
     join_prepare_s: float | None = None  # a joiner: assigned -> ready (group built, state received)
     left_at_step: int | None = None
+    recoveries: list[dict] = field(default_factory=list)
 
 
 class ElasticMember:
@@ -150,9 +153,17 @@ class ElasticMember:
 
     def run(self) -> MemberResult:
         while self.step < self.cfg.steps:
-            self._serve_one()
-            if not self._between_steps():
-                break
+            lost_peer = None
+            try:
+                self._serve_one()
+                if not self._between_steps():
+                    break
+            except RuntimeError as error:
+                if self.spec.expert_source is None or not is_lost_peer(error):
+                    raise
+                lost_peer = str(error)
+            if lost_peer is not None:  # outside the handler: its traceback no longer holds the broken group
+                recover(self, lost_peer)
         else:
             if self.pending is not None:  # the run ended before the resize could switch
                 self._give_up()
@@ -161,22 +172,34 @@ class ElasticMember:
         return self.result
 
     def _serve_one(self) -> None:
-        batch = make_batch(self.workload, self.step, self.group.rank)
-        self.models.flags.set_(record=True, num_unpadded_tokens=batch.num_tokens)
-        out = self.forward(batch.tokens)
+        self.serve_batch(self.step, self.group.rank)
         result = self.result
         result.step_end_s.append(time.monotonic())
         result.step_size.append(self.group.size)
         result.steps.append(self.step)
-        result.tokens += batch.num_tokens
-        if self.cfg.check_outputs:
-            real = slice(0, batch.num_tokens)
-            check = check_output(out[:, real], self.models.reference(batch.tokens)[:, real], self.cfg.output_tolerance)
-            result.max_abs_diff = max(result.max_abs_diff, check.max_abs_diff)
-            result.output_mismatches += not check.ok
         self.step += 1
         if self.group.rank == 0:
             self.store.set(self.spec.key("step"), str(self.step))  # the coordinator's clock
+
+    def serve_batch(self, step: int, rank: int, *, size: int | None = None) -> None:
+        """One collective forward of request (step, rank): its batch, checked against the reference;
+        ``rank`` None: an empty batch beside the others' (a recovery's catch-up step)."""
+        batch = make_batch(self.workload, step, 0 if rank is None else rank)
+        tokens = batch.tokens if rank is not None else torch.zeros(1, min(self.cfg.capture_sizes), dtype=torch.long)
+        num_tokens = batch.num_tokens if rank is not None else 0
+        self.models.flags.set_(record=rank is not None, num_unpadded_tokens=num_tokens)
+        out = self.forward(tokens)
+        if rank is None:
+            return
+        result = self.result
+        result.tokens += num_tokens
+        # in the store, not only in this process: a member that dies has delivered these
+        self.store.append(self.spec.key("served_log", self.member), f"{step}:{rank}:{size or self.group.size};")
+        if self.cfg.check_outputs:
+            real = slice(0, num_tokens)
+            check = check_output(out[:, real], self.models.reference(tokens)[:, real], self.cfg.output_tolerance)
+            result.max_abs_diff = max(result.max_abs_diff, check.max_abs_diff)
+            result.output_mismatches += not check.ok
 
     def _between_steps(self) -> bool:
         """The control all-reduce and what it decides; False: this member left the group."""

@@ -25,13 +25,14 @@ def _served(members: list[dict]) -> list[dict]:
 def resize_entry(request: dict, timeline: list[tuple[float, int, int]], median_gap: float,
                  members: list[dict]) -> dict:
     """One resize, from member 0's (end time, step, size) records after the request."""
-    entry = {key: request[key] for key in ("generation", "old_size", "new_size", "at_step", "outcome")}
-    after = [(t, step, size) for t, step, size in timeline if t >= request["requested_s"]]
+    entry = {key: request[key] for key in ("kind", "generation", "old_size", "new_size", "at_step", "outcome")}
+    origin = request["died_s"] if request["kind"] == "recovery" else request["requested_s"]  # a recovery: from the death
+    after = [(t, step, size) for t, step, size in timeline if t >= origin]
     first_new = next(((t, step) for t, step, size in after if size == request["new_size"]), None)
-    entry["reconfiguration_seconds"] = None if first_new is None else round(first_new[0] - request["requested_s"], 4)
+    entry["reconfiguration_seconds"] = None if first_new is None else round(first_new[0] - origin, 4)
     entry["first_step_at_new_size"] = None if first_new is None else first_new[1]
     window = [t for t, _, _ in after if first_new is None or t <= first_new[0]]
-    ends = [request["requested_s"], *window]
+    ends = [origin, *window]
     gaps = [b - a for a, b in zip(ends, ends[1:])]
     entry["serving_pause_seconds"] = round(max(gaps, default=0.0), 4)
     entry["steps_paused"] = sum(gap > SLOW_STEP_FACTOR * median_gap for gap in gaps[1:])
@@ -39,6 +40,21 @@ def resize_entry(request: dict, timeline: list[tuple[float, int, int]], median_g
     entry["bytes_moved"] = sum(r["bytes_moved"] for r in moves)
     entry["switch_seconds_max"] = round(max((r["switch_s"] for r in moves), default=0.0), 4)
     return entry
+
+
+def request_accounting(logs: list[list[list[int]]]) -> dict:
+    """Every batch a step owed (step, rank for each rank of the group that served the step)
+    against the batches completed, from every member's served log (the dead ones' included):
+    none may be lost nor completed twice."""
+    served = [(step, rank) for log in logs for step, rank, _ in log]
+    sizes: dict[int, int] = {}
+    for log in logs:
+        for step, _, size in log:
+            sizes[step] = max(size, sizes.get(step, 0))
+    expected = {(step, rank) for step, size in sizes.items() for rank in range(size)}
+    completed = set(served)
+    return {"requests_completed": len(completed & expected), "requests_lost": len(expected - completed),
+            "requests_duplicated": len(served) - len(completed)}
 
 
 def summarize_elastic(cfg, plan: tuple[int, ...], max_ranks: int, raw: dict) -> dict:
@@ -49,9 +65,15 @@ def summarize_elastic(cfg, plan: tuple[int, ...], max_ranks: int, raw: dict) -> 
     median_gap = statistics.median(gaps) if gaps else 0.0
     resizes = [resize_entry(request, timeline, median_gap, members) for request in raw["requests"]]
     joiners = [m["join_prepare_s"] for m in members if m.get("join_prepare_s") is not None]
+    requests = request_accounting(list(raw["served"].values()))
+    recoveries = [r for m in members for r in m["recoveries"] if m["member"] == 0]
     return {
+        **requests,
+        "recoveries": len(recoveries),
+        "experts_reloaded": sum(r["experts_reloaded"] for m in members for r in m["recoveries"]),
+        "members_lost": sorted(int(m) for m in raw.get("dead", {})),
         "mode": cfg.mode, "steps": cfg.steps, "scale_plan": list(plan), "max_ranks": max_ranks,
-        "reconfigurations": sum(r["outcome"] == "switched" for r in resizes),
+        "reconfigurations": sum(r["outcome"] == "switched" for r in resizes),  # resizes and recoveries
         "resizes_abandoned": sum(r["outcome"] == "abandoned" for r in resizes),
         "resizes": resizes,
         "steps_served": {str(m["member"]): len(m["steps"]) for m in members},
@@ -74,8 +96,15 @@ def failed_elastic_invariants(report: dict) -> list[str]:
         problems.append(f"{report['output_mismatches']} steps' outputs differ from the one-process reference")
     if report["recompiles"]:
         problems.append(f"{report['recompiles']} recompiles on the serving path")
-    if report["resizes_abandoned"] or report["reconfigurations"] < len(report["scale_plan"]) - 1:
-        problems.append(f"{report['reconfigurations']} of {len(report['scale_plan']) - 1} planned resizes switched")
+    planned = [r for r in report["resizes"] if r["kind"] == "resize"]
+    if sum(r["outcome"] == "switched" for r in planned) < len(report["scale_plan"]) - 1:
+        problems.append(f"{sum(r['outcome'] == 'switched' for r in planned)} of {len(report['scale_plan']) - 1} "
+                        f"planned resizes switched")
+    for name in ("requests_lost", "requests_duplicated"):
+        if report[name]:
+            problems.append(f"{report[name]} {name.replace('_', ' ')}")
+    if report["recoveries"] < len(report["members_lost"]):
+        problems.append(f"{len(report['members_lost'])} members lost, {report['recoveries']} recovered from")
     return problems
 
 

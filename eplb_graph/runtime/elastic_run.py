@@ -12,15 +12,18 @@ longest gap with no step completing.
 from __future__ import annotations
 
 import queue
+import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from eplb_graph.runtime.elastic_group import Generation, announce_generation
 from eplb_graph.runtime.elastic_member import ABANDONED, ElasticSpec, run_member
+from eplb_graph.runtime.elastic_recovery import save_expert_source, served_log
 from eplb_graph.runtime.elastic_reshuffle import check_new_size
 from eplb_graph.runtime.launch import Heartbeat, RankFailure, _entry, free_port
 
@@ -50,12 +53,15 @@ class ResizeRequest:
     at_step: int
     members: tuple[int, ...]
     outcome: str = "pending"  # "switched" | "abandoned"
+    kind: str = "resize"  # or "recovery": the survivors of a member that died
+    died_s: float | None = None  # a recovery: when the member died (killed, or found dead)
 
 
 @dataclass
 class ElasticRun:
     spec: ElasticSpec
     plan: tuple[int, ...]
+    kill_plan: tuple[tuple[int, int], ...] = ()  # (member, step): fault injection
     ctx: object = field(default_factory=lambda: mp.get_context("spawn"))
 
     def __post_init__(self) -> None:
@@ -67,6 +73,11 @@ class ElasticRun:
         self.failures: dict[int, str] = {}
         self.requests: list[ResizeRequest] = []
         self.spares: list[int] = []
+        self.kills: dict[int, int] = dict(self.kill_plan)  # member -> the step it is killed at
+        self.killed_s: dict[int, float] = {}
+        self.dead: dict[int, float] = {}  # member -> when it died (monotonic)
+        self.current, self.next_index = 0, 1  # the generation serving now, the next one to announce
+        self.num_local = self.spec.cfg.num_physical // self.spec.cfg.ranks
 
     def start(self, member: int, first_generation: int | None) -> None:
         address = f"{self.spec.store_host}:{self.spec.store_port}"
@@ -114,31 +125,34 @@ class ElasticRun:
 
     def run(self, spares: int, timeout_s: float = 600.0) -> dict:
         cfg = self.spec.cfg
-        members = tuple(range(self.plan[0]))
-        announce_generation(self.store, self.spec.name, Generation(0, members))
-        for member in members:
+        self.members = tuple(range(self.plan[0]))
+        announce_generation(self.store, self.spec.name, Generation(0, self.members))
+        for member in self.members:
             self.start(member, 0)
         self.top_up_spares(spares)
         resize_steps = [cfg.steps * index // len(self.plan) for index in range(1, len(self.plan))]
-        generation, started = 1, time.monotonic()
+        sizes = list(self.plan[1:])
+        started = time.monotonic()
         try:
-            while len(self.done) + len(self.failures) < len(self.processes):
-                self._collect()
+            while len(self.done) + len(self.failures) + len(self.dead) < len(self.processes):
+                for member in self._collect():
+                    self.recover_without(member)
                 if self.failures or time.monotonic() - started > timeout_s:
                     break
+                self._kill_planned()
                 pending = self.requests and self.requests[-1].outcome == "pending"
                 if pending:
                     self.requests[-1].outcome = self.outcome(self.requests[-1])
                     if self.requests[-1].outcome == "switched":
-                        members = self.requests[-1].members
+                        self.members, self.current = self.requests[-1].members, self.requests[-1].generation
                         if resize_steps:
                             self.top_up_spares(spares)
                 elif not resize_steps and self.spares:
                     self.release_spares()
                 elif resize_steps and self.progress() >= resize_steps[0]:
                     resize_steps.pop(0)
-                    self.request(generation, members, self.plan[len(self.requests) + 1])
-                    generation += 1
+                    self.request(self.next_index, self.members, sizes.pop(0))
+                    self.next_index += 1
         finally:
             for process in self.processes.values():
                 if process.is_alive():
@@ -146,10 +160,44 @@ class ElasticRun:
                 process.join(5)
         if self.failures:
             raise RankFailure(self.failures, self.done)
-        if len(self.done) < len(self.processes):
-            raise RankFailure({m: f"still running after {timeout_s:.0f} s" for m in self.processes
-                               if m not in self.done}, self.done)
-        return {"requests": [vars(r) for r in self.requests], "members": [self.done[m] for m in sorted(self.done)]}
+        missing = set(self.processes) - set(self.done) - set(self.dead)
+        if missing:
+            raise RankFailure({m: f"still running after {timeout_s:.0f} s" for m in sorted(missing)}, self.done)
+        served = {str(m): served_log(self.store, self.spec.key("served_log", m)) for m in sorted(self.processes)}
+        return {"requests": [vars(r) for r in self.requests], "members": [self.done[m] for m in sorted(self.done)],
+                "dead": {str(m): when for m, when in self.dead.items()}, "served": served}
+
+    def _kill_planned(self) -> None:
+        """Fault injection: SIGKILL, no goodbye, once the group has served the planned step."""
+        for member, step in list(self.kills.items()):
+            if self.progress() >= step and member in self.processes:
+                self.processes[member].kill()
+                self.killed_s[member] = time.monotonic()
+                del self.kills[member]
+
+    def recover_without(self, member: int) -> None:
+        """A member died: a pending resize is given up, and the survivors get a recovery generation."""
+        self.dead[member] = self.killed_s.get(member, time.monotonic())
+        if self.requests and self.requests[-1].outcome == "pending":
+            request = self.requests[-1]
+            key = self.spec.key("gen", request.generation, "switch")
+            won = self.store.compare_set(key, "", ABANDONED).decode() == ABANDONED
+            request.outcome = "abandoned" if won else "switched"
+            if not won:
+                self.members, self.current = request.members, request.generation
+        if member not in self.members:
+            return  # a spare or a joiner that never served: nothing to recover
+        survivors = tuple(m for m in self.members if m != member)
+        if member == 0 or len(survivors) * self.num_local < self.spec.cfg.num_experts:
+            why = ("member 0 is every generation's rank 0" if member == 0 else
+                   f"{len(survivors)} survivors x {self.num_local} slots cannot host {self.spec.cfg.num_experts} experts")
+            self.failures[member] = f"died and cannot be recovered from: {why}"
+            return
+        index, self.next_index = self.next_index, self.next_index + 1
+        self.requests.append(ResizeRequest(index, len(self.members), len(survivors), time.monotonic(),
+                                           self.progress(), survivors, kind="recovery", died_s=self.dead[member]))
+        announce_generation(self.store, self.spec.name, Generation(index, survivors))
+        self.store.set(self.spec.key("recovery", self.current), str(index))
 
     def release_spares(self) -> None:
         """No resize is left: the spares end without serving."""
@@ -157,22 +205,45 @@ class ElasticRun:
             self.store.set(self.spec.key("spare", member), "stop")
         self.spares = []
 
-    def _collect(self) -> None:
+    def _collect(self) -> list[int]:
+        """Reports in; returns the members that died without one (recovered from where the run
+        has a weight source, failures otherwise)."""
+        died = []
         try:
             member, ok, value = self.results.get(timeout=0.05)
             (self.done if ok else self.failures)[member] = value
         except queue.Empty:
             for member, process in self.processes.items():
-                if member not in self.done and member not in self.failures and not process.is_alive():
-                    try:
-                        m, ok, value = self.results.get(timeout=1.0)
-                        (self.done if ok else self.failures)[m] = value
-                    except queue.Empty:
+                if member in self.done or member in self.failures or member in self.dead or process.is_alive():
+                    continue
+                try:  # a process killed by a signal left no last message to wait for
+                    m, ok, value = self.results.get(timeout=0.0 if process.exitcode < 0 else 1.0)
+                    (self.done if ok else self.failures)[m] = value
+                except queue.Empty:
+                    if self.spec.expert_source is None:
                         self.failures[member] = f"process died with exit code {process.exitcode}"
+                    else:
+                        died.append(member)
+        return died
+
+
+def parse_kills(texts: list[str]) -> tuple[tuple[int, int], ...]:
+    """['3@150'] -> ((3, 150),): member 3 is killed (SIGKILL) once the group served step 150."""
+    kills = []
+    for text in texts:
+        try:
+            member, step = (int(part) for part in text.split("@"))
+        except ValueError:
+            raise ValueError(f"--kill takes MEMBER@STEP, e.g. 3@150; got {text!r}") from None
+        if member < 1 or step < 1:
+            raise ValueError(f"--kill {text}: member 0 (every generation's rank 0) cannot be killed, and the "
+                             f"step must be >= 1")
+        kills.append((member, step))
+    return tuple(kills)
 
 
 def run_elastic(cfg, plan: tuple[int, ...], max_ranks: int, *, spares: int | None = None, deadline_s: float = 30.0,
-                timeout_s: float = 600.0) -> dict:
+                timeout_s: float = 600.0, kills: tuple[tuple[int, int], ...] = (), out: Path | None = None) -> dict:
     """The whole scripted run; the raw per-member results and requests (``elastic_report`` reads them)."""
     cfg.validate()
     check_scale_plan(plan, cfg.num_experts, cfg.num_physical // cfg.ranks, max_ranks)
@@ -182,8 +253,11 @@ def run_elastic(cfg, plan: tuple[int, ...], max_ranks: int, *, spares: int | Non
         raise ValueError(f"--resize-deadline must be > 0 seconds, got {deadline_s}")
     if not cfg.eplb:
         raise ValueError("--scale-plan moves experts with EPLB: it needs EPLB on")
-    spec = ElasticSpec(cfg, max_ranks, "127.0.0.1", free_port(), deadline_s=deadline_s)
-    # enough warm spares for the largest step up the plan takes
-    if spares is None:
-        spares = max(max(0, after - before) for before, after in zip(plan, plan[1:]))
-    return ElasticRun(spec, plan).run(spares, timeout_s)
+    with tempfile.TemporaryDirectory(prefix="eplb-graph-elastic-") as scratch:
+        # the model's weight source on disk, where a dead member's experts are reloaded from
+        source = save_expert_source(cfg, Path(out or scratch) / "expert_source.pt")
+        spec = ElasticSpec(cfg, max_ranks, "127.0.0.1", free_port(), deadline_s=deadline_s,
+                           expert_source=str(source))
+        if spares is None:  # enough warm spares for the largest step up the plan takes, and a replacement
+            spares = max(max(0, after - before) for before, after in zip(plan, plan[1:])) + bool(kills)
+        return ElasticRun(spec, plan, kills).run(spares, timeout_s)

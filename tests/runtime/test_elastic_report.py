@@ -12,7 +12,7 @@ def member(index, ends, sizes, **extra):
     steps = list(range(len(ends)))
     return {"member": index, "step_end_s": ends, "step_size": sizes, "steps": steps, "output_mismatches": 0,
             "max_abs_diff": 0.0, "recompiles": 0, "tokens": 16 * len(ends), "resizes": [], "abandoned": [],
-            "state_bytes_sent": 0, "join_prepare_s": None, "left_at_step": None, **extra}
+            "state_bytes_sent": 0, "join_prepare_s": None, "left_at_step": None, "recoveries": [], **extra}
 
 
 def raw_run():
@@ -23,10 +23,13 @@ def raw_run():
               "bytes_moved": 1000}
     joiner = member(2, [1.30, 1.31, 1.32], [4, 4, 4], join_prepare_s=0.05,
                     resizes=[dict(resize, joined=True, bytes_moved=500)])
+    served = {str(m): [[step, rank, size] for step, size in zip(range(8), sizes)] for m, rank in ((0, 0), (1, 1))}
+    served.update({"2": [[step, 2, 4] for step in (5, 6, 7)], "3": [[step, 3, 4] for step in (5, 6, 7)]})
     return {
-        "requests": [{"generation": 1, "old_size": 2, "new_size": 4, "requested_s": 1.025, "at_step": 3,
-                      "members": [0, 1, 2, 3], "outcome": "switched"}],
+        "requests": [{"kind": "resize", "generation": 1, "old_size": 2, "new_size": 4, "requested_s": 1.025,
+                      "at_step": 3, "members": [0, 1, 2, 3], "outcome": "switched", "died_s": None}],
         "members": [member(0, ends, sizes, resizes=[resize]), member(1, ends, sizes), joiner, {"member": 9}],
+        "served": served, "dead": {},
     }
 
 
@@ -37,7 +40,17 @@ def test_a_resize_is_timed_from_its_request_to_the_first_step_at_the_new_size():
     assert resize["serving_pause_seconds"] == 0.26  # 1.04 -> 1.30, no step completed
     assert resize["steps_paused"] == 1 and resize["bytes_moved"] == 1500
     assert report["reconfigurations"] == 1 and report["spares_unused"] == 1 and report["join_prepare_seconds_max"] == 0.05
+    assert (report["requests_completed"], report["requests_lost"], report["requests_duplicated"]) == (22, 0, 0)
     assert failed_elastic_invariants(report) == []
+
+
+def test_a_batch_owed_but_never_served_is_lost_and_one_served_twice_is_duplicated():
+    raw = raw_run()
+    raw["served"]["3"] = [[5, 3, 4], [6, 3, 4]]  # step 7 of rank 3 never completed
+    raw["served"]["1"].append([2, 1, 2])  # step 2 of rank 1 completed twice
+    report = summarize_elastic(CFG, (2, 4), 4, raw)
+    assert (report["requests_lost"], report["requests_duplicated"]) == (1, 1)
+    assert failed_elastic_invariants(report) == ["1 requests lost", "1 requests duplicated"]
 
 
 def test_a_mismatch_a_recompile_or_a_resize_that_did_not_switch_fails_the_run():
