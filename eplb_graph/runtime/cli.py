@@ -164,6 +164,22 @@ def _run_elastic(args: argparse.Namespace) -> int:
     return write_elastic_report(out, config, plan, max_ranks, raw, as_json=args.json)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """``serve``: the reference decoder as an elastic greedy-generation server (``elastic_http``)."""
+    from eplb_graph.runtime.elastic_http import serve
+    from eplb_graph.runtime.elastic_server import ElasticServer
+
+    config = _run_config(args, steps=1)
+    max_ranks = config.ranks if args.max_ranks is None else args.max_ranks
+    if config.cpp_wrapper or config.policy_process or config.device != "cpu":
+        raise ValueError("serve runs on the host (device cpu) without --cpp-wrapper or --policy-process")
+    server = ElasticServer(config, max_ranks, deadline_s=args.resize_deadline)
+    print(f"eplb-graph serve: {config.ranks} EP ranks (up to {max_ranks}) on http://{args.host}:{args.port}",
+          file=sys.stderr)
+    serve(server, args.host, args.port)
+    return 0
+
+
 def _log(line: str) -> None:
     """Progress on stderr: stdout holds only the table or the JSON."""
     print(line, file=sys.stderr, flush=True)
@@ -296,6 +312,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--kill", action="append", default=[], metavar="MEMBER@STEP",
                      help="with --scale-plan: SIGKILL member MEMBER once the group served STEP (the survivors recover)")
     run.set_defaults(func=_run)
+
+    served = commands.add_parser("serve", help="elastic EP server: greedy generation over HTTP, resizable at run time")
+    _add_runtime_arguments(served, steps=1, mode="eager")
+    served.add_argument("--max-ranks", type=int, default=None, help="the largest EP size (default: --ranks)")
+    served.add_argument("--host", default="127.0.0.1")
+    served.add_argument("--port", type=int, default=8000)
+    served.add_argument("--resize-deadline", type=float, default=30.0, metavar="S",
+                        help="a resize not switched this long after its request is given up")
+    served.set_defaults(func=_serve)
 
     bench = commands.add_parser("bench", help="step latency: eager vs compiled, EPLB off / on-idle / rearranging")
     _add_runtime_arguments(bench, steps=120, mode="all", interval=10, ranks=None)

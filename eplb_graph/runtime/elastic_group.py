@@ -71,8 +71,13 @@ def generation_announced(store: dist.Store, name: str, index: int) -> bool:
 class ElasticEpGroup:
     """This member's EP group now, and the next generation while it is being built."""
 
-    def __init__(self, name: str, store: dist.Store, member: int, max_size: int, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, name: str, store: dist.Store, member: int, max_size: int, *, timeout_s: float = 60.0,
+                 connect: Callable[[], dist.Store] | None = None) -> None:
+        """``connect``: a new client of the same store, for the standby thread (a store client is
+        not safe to share between threads); None: ``store`` itself (standbys built one at a time
+        with nothing else using the store meanwhile, as in tests)."""
         self.name, self.store, self.member, self.max_size = name, store, member, max_size
+        self.connect = connect
         self.timeout = timedelta(seconds=timeout_s)
         self.generation: Generation | None = None
         self._pg: dist.ProcessGroup | None = None
@@ -105,7 +110,7 @@ class ElasticEpGroup:
 
     # -- building and switching generations ---------------------------------------------
 
-    def _build(self, generation: Generation) -> dist.ProcessGroup | None:
+    def _build(self, generation: Generation, store: dist.Store | None = None) -> dist.ProcessGroup | None:
         if generation.size > self.max_size:
             raise ValueError(f"generation {generation.index} has {generation.size} members, more than "
                              f"the group's maximum {self.max_size}")
@@ -113,7 +118,7 @@ class ElasticEpGroup:
             return None
         from vllm.distributed.utils import init_gloo_process_group
 
-        prefix = dist.PrefixStore(f"{self.name}/gen{generation.index}/pg/", self.store)
+        prefix = dist.PrefixStore(f"{self.name}/gen{generation.index}/pg/", store or self.store)
         return init_gloo_process_group(prefix, generation.rank_of(self.member), generation.size, self.timeout)
 
     def join(self, index: int) -> Generation:
@@ -132,7 +137,7 @@ class ElasticEpGroup:
 
         def build() -> None:
             try:
-                pg = self._build(generation)
+                pg = self._build(generation, self.connect() if self.connect is not None else None)
                 threading.current_thread().built = pg  # for an abandoned build to release
                 self._standby = (generation, pg)
                 if after_build is not None and pg is not None:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from eplb_graph.runtime.compile import prepare_forward, unique_graphs
 from eplb_graph.runtime.config import RunConfig
 from eplb_graph.runtime.elastic_group import ElasticEpGroup, Generation, generation_announced, read_generation
-from eplb_graph.runtime.elastic_recovery import is_lost_peer, recover
+from eplb_graph.runtime.elastic_recovery import is_lost_peer, recover, serve_lost_batches
 from eplb_graph.runtime.elastic_reshuffle import reshuffle
 from eplb_graph.runtime.elastic_stack import build_elastic_models, receive_state, send_state
 from eplb_graph.runtime.step import check_output
@@ -51,6 +51,11 @@ class ElasticSpec:
     deadline_s: float = 30.0  # announced -> switched, or the resize is given up
     timeout_s: float = 60.0  # any one collective or store wait
     expert_source: str | None = None  # the experts on disk: a member that dies is recovered from it
+
+    def connect(self) -> dist.TCPStore:
+        """A new client of the run's store (one per thread that uses it)."""
+        return dist.TCPStore(self.store_host, self.store_port, is_master=False,
+                             timeout=timedelta(seconds=self.timeout_s))
 
     def key(self, *parts: object) -> str:
         return "/".join([self.name, *map(str, parts)])
@@ -80,9 +85,9 @@ class ElasticMember:
 
     def __init__(self, member: int, spec: ElasticSpec, first_generation: int | None) -> None:
         self.member, self.spec, self.cfg = member, spec, spec.cfg
-        self.store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
-                                   timeout=timedelta(seconds=spec.timeout_s))
-        self.group = ElasticEpGroup(spec.name, self.store, member, spec.max_ranks, timeout_s=spec.timeout_s)
+        self.store = spec.connect()
+        self.group = ElasticEpGroup(spec.name, self.store, member, spec.max_ranks, timeout_s=spec.timeout_s,
+                                    connect=spec.connect)
         self.result = MemberResult(member)
         self.workload = self.cfg.workload()
         self.pending: tuple[Generation, float] | None = None  # announced, since (monotonic)
@@ -152,7 +157,7 @@ class ElasticMember:
     # -- serving -----------------------------------------------------------------------
 
     def run(self) -> MemberResult:
-        while self.step < self.cfg.steps:
+        while self.serving():
             lost_peer = None
             try:
                 self._serve_one()
@@ -170,6 +175,17 @@ class ElasticMember:
         self.result.recompiles = unique_graphs() - self.graphs_after_warmup
         self.group.leave()
         return self.result
+
+    def serving(self) -> bool:
+        return self.step < self.cfg.steps
+
+    def on_leave(self) -> None:
+        """This member is not in the generation the group switches to (a serving member hands its
+        requests back here)."""
+
+    def serve_what_was_lost(self, broken: Generation, generation: Generation, resume: int) -> int:
+        """After a recovery: the batches the failure left unserved (``elastic_recovery``)."""
+        return serve_lost_batches(self, broken, generation, resume)
 
     def _serve_one(self) -> None:
         self.serve_batch(self.step, self.group.rank)
@@ -268,6 +284,7 @@ class ElasticMember:
         self.pending, self.next_generation = None, generation.index + 1
         if self.member not in generation.members:
             self.result.left_at_step = self.step
+            self.on_leave()
             return False
         self.group.switch_()
         self._after_switch(generation, old_size, started=started, moved=moved)

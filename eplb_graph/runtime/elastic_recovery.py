@@ -118,23 +118,14 @@ def recover(member, error: str) -> None:
     loaded = reload_lost_experts(layers, recovered, broken.rank_of(member.member), group.rank, num_local,
                                  Path(spec.expert_source))
     resume = _all_max(torch.tensor([member.step]), group.process_group)[0].item()
-    failed = torch.zeros(broken.size, dtype=torch.int64)
-    failed[broken.rank_of(member.member)] = member.step < resume
-    failed = _all_max(failed, group.process_group)
+    requeued = member.serve_what_was_lost(broken, generation, resume)
     dead = [m for m in broken.members if m not in generation.members]
-    served = {m: _last_served(store, spec.key("served_log", m)) for m in dead}
-    requests = requeued_requests(served, {m: broken.rank_of(m) for m in dead},
-                                 torch.nonzero(failed).flatten().tolist(), resume)
-    for start in range(0, len(requests), generation.size):  # every survivor serves one of them, or nothing
-        chunk = requests[start : start + generation.size]
-        step, rank = chunk[group.rank] if group.rank < len(chunk) else (0, None)
-        member.serve_batch(step, rank, size=broken.size)
     member.step, member.next_generation = resume, index + 1
     if group.rank == 0:
         store.set(spec.key("gen", index, "switch"), f"{resume},{broken.size}")
     member.result.recoveries.append({
         "generation": index, "old_size": broken.size, "new_size": generation.size, "lost_members": dead,
-        "experts_reloaded": loaded, "requests_requeued": len(requests), "recovery_s": time.monotonic() - started,
+        "experts_reloaded": loaded, "requests_requeued": requeued, "recovery_s": time.monotonic() - started,
         "resume_step": resume,
     })
 
@@ -154,3 +145,21 @@ def served_log(store, key: str) -> list[list[int]]:
 
 def _last_served(store, key: str) -> int:
     return max((step for step, _, _ in served_log(store, key)), default=-1)
+
+
+def serve_lost_batches(member, broken, generation, resume: int) -> int:
+    """The scripted run's batches nobody completed at the failure, each served by one survivor
+    (everyone else serves an empty batch beside it); returns how many."""
+    store, spec, group = member.store, member.spec, member.group
+    failed = torch.zeros(broken.size, dtype=torch.int64)
+    failed[broken.rank_of(member.member)] = member.step < resume
+    failed = _all_max(failed, group.process_group)
+    dead = [m for m in broken.members if m not in generation.members]
+    served = {m: _last_served(store, spec.key("served_log", m)) for m in dead}
+    requests = requeued_requests(served, {m: broken.rank_of(m) for m in dead},
+                                 torch.nonzero(failed).flatten().tolist(), resume)
+    for start in range(0, len(requests), generation.size):
+        chunk = requests[start : start + generation.size]
+        step, rank = chunk[group.rank] if group.rank < len(chunk) else (0, None)
+        member.serve_batch(step, rank, size=broken.size)
+    return len(requests)

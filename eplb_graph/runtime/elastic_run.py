@@ -14,6 +14,7 @@ from __future__ import annotations
 import queue
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -62,6 +63,8 @@ class ElasticRun:
     spec: ElasticSpec
     plan: tuple[int, ...]
     kill_plan: tuple[tuple[int, int], ...] = ()  # (member, step): fault injection
+    member_fn: Callable = run_member  # a member process's body, and what it takes after its first generation
+    member_args: tuple = ()
     ctx: object = field(default_factory=lambda: mp.get_context("spawn"))
 
     def __post_init__(self) -> None:
@@ -81,9 +84,9 @@ class ElasticRun:
 
     def start(self, member: int, first_generation: int | None) -> None:
         address = f"{self.spec.store_host}:{self.spec.store_port}"
-        args = (self.spec, first_generation)
+        args = (self.spec, first_generation, *self.member_args)
         process = self.ctx.Process(target=_entry, daemon=True, args=(
-            run_member, member, self.spec.max_ranks, address, args, self.results, Heartbeat(self.ctx), False))
+            self.member_fn, member, self.spec.max_ranks, address, args, self.results, Heartbeat(self.ctx), False))
         process.start()
         self.processes[member] = process
 

@@ -1,0 +1,252 @@
+"""``ElasticServer``: the reference MoE decoder served over an elastic EP group, as a Python API.
+
+It owns the coordinator (``ElasticRun``: the TCP store, the member processes, the
+generations) and the request bookkeeping: every request is assigned to one member of the
+current generation, round robin, and stays assigned until its result is in the store. A
+member that dies has its unfinished requests re-queued to the survivors (they restart from
+their prompt: generation is deterministic, so the tokens are the same); a member scaled
+away hands its unfinished requests back and they are re-queued the same way. ``scale``
+follows vLLM's ``/scale_elastic_ep`` contract; the HTTP layer (``elastic_http``) only maps
+it onto status codes.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from eplb_graph.runtime.config import RunConfig
+from eplb_graph.runtime.elastic_member import ElasticSpec
+from eplb_graph.runtime.elastic_recovery import save_expert_source
+from eplb_graph.runtime.elastic_reshuffle import check_new_size
+from eplb_graph.runtime.elastic_run import ElasticRun
+from eplb_graph.runtime.elastic_serving import ServeShape, run_serving_member
+from eplb_graph.runtime.launch import free_port
+
+
+class ScaleError(Exception):
+    """A refused or failed scale request, with the HTTP status vLLM's endpoint answers it with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class ServerStats:
+    requests_submitted: int = 0
+    requests_completed: int = 0
+    requests_requeued: int = 0
+    output_mismatches: int = 0
+    reconfigurations: int = 0
+    recoveries: int = 0
+
+
+class ElasticServer:
+    def __init__(self, cfg: RunConfig, max_ranks: int, *, shape: ServeShape = ServeShape(), spares: int | None = None,
+                 deadline_s: float = 30.0) -> None:
+        cfg.validate()
+        check_new_size(cfg.ranks, cfg.num_experts, cfg.num_physical // cfg.ranks, max_ranks)
+        self.cfg, self.max_ranks, self.shape = cfg, max_ranks, shape
+        self.scratch = tempfile.TemporaryDirectory(prefix="eplb-graph-serve-")
+        source = save_expert_source(cfg, Path(self.scratch.name) / "expert_source.pt")
+        spec = ElasticSpec(cfg, max_ranks, "127.0.0.1", free_port(), deadline_s=deadline_s, expert_source=str(source))
+        self.coordinator = ElasticRun(spec, (cfg.ranks,), member_fn=run_serving_member, member_args=(shape,))
+        self.spares = max_ranks - cfg.ranks if spares is None else spares
+        self.lock = threading.Lock()  # the assignments and the coordinator's generations
+        self.assigned: dict[int, int] = {}  # request id -> member, until its result is in
+        self.next_rid, self.turn = 0, 0
+        self.stats = ServerStats()
+        self.scaling = False
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self._clients = threading.local()
+
+    @property
+    def spec(self) -> ElasticSpec:
+        return self.coordinator.spec
+
+    @property
+    def store(self):
+        return self.coordinator.store
+
+    @property
+    def ranks(self) -> int:
+        return len(self.coordinator.members)
+
+    # -- life --------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 300.0) -> ElasticServer:
+        """Starts the members and returns once the group has served its first step."""
+        from eplb_graph.runtime.elastic_group import Generation, announce_generation
+
+        run = self.coordinator
+        run.members = tuple(range(self.cfg.ranks))
+        announce_generation(self.store, self.spec.name, Generation(0, run.members))
+        for member in run.members:
+            run.start(member, 0)
+        run.top_up_spares(self.spares)
+        self._monitor = threading.Thread(target=self._watch, name="elastic-server", daemon=True)
+        self._monitor.start()
+        deadline = time.monotonic() + timeout_s
+        while run.progress() == 0:
+            if run.failures or time.monotonic() > deadline:
+                raise RuntimeError(f"the EP group did not start serving: {run.failures or 'timed out'}")
+            time.sleep(0.05)
+        return self
+
+    def shutdown(self) -> None:
+        self.store.set(self.spec.key("stop"), "1")
+        self.coordinator.release_spares()
+        self._stop.set()
+        if self._monitor is not None:
+            self._monitor.join(30)
+        for process in self.coordinator.processes.values():
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+        self.scratch.cleanup()
+
+    # -- requests ----------------------------------------------------------------------
+
+    def submit(self, prompt_token_ids: list[int], max_new_tokens: int) -> int:
+        """Queues a request on a member of the current generation; returns its id."""
+        self.check()
+        if not all(isinstance(t, int) and 0 <= t < self.cfg.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.cfg.vocab_size})")
+        self.shape.check(len(prompt_token_ids), max_new_tokens)
+        with self.lock:
+            rid, self.next_rid = self.next_rid, self.next_rid + 1
+            self.store.set(self.spec.key("req", rid), json.dumps(
+                {"prompt_token_ids": prompt_token_ids, "max_new_tokens": max_new_tokens}))
+            self._assign(rid)
+            self.stats.requests_submitted += 1
+        return rid
+
+    def _assign(self, rid: int) -> None:
+        members = self.coordinator.members
+        member = members[self.turn % len(members)]
+        self.turn += 1
+        self.assigned[rid] = member
+        self.store.append(self.spec.key("inbox", member), f"{rid};")
+
+    def result(self, rid: int, timeout_s: float = 120.0) -> dict:
+        """Blocks until request ``rid`` finished: on this thread's own store client, since a client
+        blocked in a wait holds up every other call made through it."""
+        self.check()
+        client = getattr(self._clients, "store", None)
+        if client is None:
+            client = self._clients.store = self.spec.connect()
+        key = self.spec.key("res", rid)
+        try:
+            client.wait([key], timedelta(seconds=timeout_s))
+        except RuntimeError:
+            self.check()
+            raise TimeoutError(f"request {rid} did not finish within {timeout_s:.0f} s") from None
+        return json.loads(client.get(key))
+
+    def generate(self, prompt_token_ids: list[int], max_new_tokens: int, timeout_s: float = 120.0) -> dict:
+        return self.result(self.submit(prompt_token_ids, max_new_tokens), timeout_s)
+
+    def in_flight(self) -> int:
+        with self.lock:
+            return len(self.assigned)
+
+    # -- scaling -----------------------------------------------------------------------
+
+    def scale(self, new_size: int, drain_timeout: float | None = None) -> str:
+        """Resizes the group to ``new_size`` ranks while it serves; ScaleError otherwise (400 bad
+        size, 409 another resize in progress, 408 drain timed out, 500 the resize failed)."""
+        try:
+            check_new_size(new_size, self.cfg.num_experts, self.coordinator.num_local, self.max_ranks)
+        except ValueError as error:
+            raise ScaleError(400, str(error)) from None
+        with self.lock:
+            run = self.coordinator
+            if self.scaling or (run.requests and run.requests[-1].outcome == "pending"):
+                raise ScaleError(409, "a resize of the EP group is already in progress")
+            self.scaling = True
+        try:
+            if new_size == self.ranks:
+                return f"Scaled to {new_size} data parallel engines"
+            if drain_timeout is not None:
+                self._drain(drain_timeout)
+            with self.lock:
+                run = self.coordinator
+                run.request(run.next_index, run.members, new_size)
+                run.next_index += 1
+                request = run.requests[-1]
+            deadline = time.monotonic() + self.spec.deadline_s + self.spec.timeout_s
+            while request.outcome == "pending" and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if request.outcome != "switched":
+                raise ScaleError(500, f"Scale failed: the resize to {new_size} ranks was {request.outcome}")
+            return f"Scaled to {new_size} data parallel engines"
+        finally:
+            self.scaling = False
+
+    def _drain(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight():
+            if time.monotonic() > deadline:
+                raise ScaleError(408, f"Scale failed due to request drain timeout after {timeout_s} seconds")
+            time.sleep(0.02)
+
+    # -- the coordinator's loop --------------------------------------------------------
+
+    def _watch(self) -> None:
+        try:
+            self._watch_loop()
+        except BaseException as error:  # the server can no longer keep its requests: every call says so
+            self.error = error
+            raise
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the elastic server's coordinator stopped: {self.error!r}") from self.error
+
+    def _watch_loop(self) -> None:
+        run = self.coordinator
+        while not self._stop.is_set():
+            died = run._collect()
+            with self.lock:
+                for member in died:  # its requests are re-queued once the survivors switched
+                    run.recover_without(member)
+                    self.stats.recoveries += 1
+                request = run.requests[-1] if run.requests else None
+                if request is not None and request.outcome == "pending":
+                    request.outcome = run.outcome(request)
+                    if request.outcome == "switched":
+                        self._switched(request)
+                self._collect_results()
+
+    def _switched(self, request) -> None:
+        run = self.coordinator
+        gone = [m for m in run.members if m not in request.members]
+        run.members, run.current = request.members, request.generation
+        self.stats.reconfigurations += 1
+        for member in gone:  # scaled away or dead: what it had not finished goes to the new generation
+            if member not in run.dead:  # a leaver stops reading its inbox once it handed its requests back
+                self.store.wait([self.spec.key("returned", member)], timedelta(seconds=self.spec.timeout_s))
+            self._requeue([rid for rid, m in self.assigned.items() if m == member])
+        run.top_up_spares(self.spares)
+
+    def _requeue(self, rids: list[int]) -> None:
+        for rid in rids:
+            if rid in self.assigned and not self.store.check([self.spec.key("res", rid)]):
+                self._assign(rid)
+                self.stats.requests_requeued += 1
+
+    def _collect_results(self) -> None:
+        for rid in list(self.assigned):
+            key = self.spec.key("res", rid)
+            if self.store.check([key]):
+                del self.assigned[rid]
+                self.stats.requests_completed += 1
+                self.stats.output_mismatches += not json.loads(self.store.get(key))["matches_reference"]

@@ -1,0 +1,53 @@
+"""``runtime/elastic_server.py`` with serving members: requests under traffic across 2 -> 4 -> 2.
+
+Real member processes; every finished request's tokens were checked against the one-process
+reference as they were generated (``matches_reference``).
+"""
+
+import random
+import threading
+
+import pytest
+
+from eplb_graph.runtime.config import RunConfig
+from eplb_graph.runtime.elastic_serving import ServeShape
+from eplb_graph.runtime.elastic_server import ElasticServer, ScaleError
+
+
+def test_a_request_that_cannot_fit_or_names_no_token_is_refused_before_it_is_queued():
+    shape = ServeShape(rows=4, seq=16)
+    with pytest.raises(ValueError, match="exceeds the server's 16 tokens per request"):
+        shape.check(10, 7)
+    with pytest.raises(ValueError, match="needs a prompt and at least one new token"):
+        shape.check(0, 3)
+
+
+@pytest.mark.launches
+def test_requests_complete_exactly_once_through_resizes_under_traffic():
+    server = ElasticServer(RunConfig(mode="eager", ranks=2), 4).start()
+    results, stop = [], threading.Event()
+
+    def client(seed):
+        rng = random.Random(seed)
+        while not stop.is_set():
+            prompt = [rng.randrange(256) for _ in range(rng.randrange(1, 8))]
+            results.append(server.generate(prompt, rng.randrange(1, 8), timeout_s=120))
+
+    clients = [threading.Thread(target=client, args=(seed,)) for seed in range(3)]
+    try:
+        for thread in clients:
+            thread.start()
+        assert server.scale(4) == "Scaled to 4 data parallel engines" and server.ranks == 4
+        with pytest.raises(ScaleError) as refused:
+            server.scale(9)
+        assert refused.value.status == 400
+        assert server.generate([5, 6], 3, timeout_s=120)["matches_reference"]
+        assert server.scale(2) == "Scaled to 2 data parallel engines" and server.ranks == 2
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join(150)
+        server.shutdown()
+    assert results and all(r["matches_reference"] for r in results)
+    assert server.stats.reconfigurations == 2
+    assert server.stats.requests_submitted == len(results) + 1  # every one came back, once
