@@ -43,6 +43,8 @@ bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_policy_stall.py --out $(BENCH)/bench_policy_stall.json
 	$(VENV)/bin/python benchmarks/bench_movement.py --out $(BENCH)/bench_movement.json
 	$(VENV)/bin/python benchmarks/bench_injected_work.py --out $(BENCH)/bench_injected_work.json
+	$(VENV)/bin/eplb-graph run --scale-plan 2,4,2 --out $(BENCH)/elastic
+	$(VENV)/bin/eplb-graph run --scale-plan 2,4,4 --kill 3@150 --out $(BENCH)/elastic_fault
 
 # vLLM's control plane for the lent GPU image (no vLLM there): benchmarks/gpu_carry.py
 gpu-carry: $(STAMP)

@@ -40,6 +40,8 @@ FILES = {
     "policy_stall": "bench_policy_stall.json",
     "movement": "bench_movement.json",
     "injected_work": "bench_injected_work.json",
+    "elastic": "elastic/report.json",
+    "elastic_fault": "elastic_fault/report.json",
     "gpu": "gpu_bench.json",
 }
 
@@ -141,6 +143,17 @@ def render_injected_work(r: dict) -> str:
                    r["step_cost_over_injected"]]])
 
 
+def render_elastic(r: dict) -> str:
+    rows = [[f"{x['kind']} {x['old_size']} -> {x['new_size']}", x["at_step"], x["outcome"], x["reconfiguration_seconds"],
+             x["serving_pause_seconds"], x["steps_paused"], x["bytes_moved"]] for x in r["resizes"]]
+    resizes = table(["resize", "at step", "outcome", "to serving at the new size s", "longest pause s", "steps paused",
+                     "bytes moved"], rows)
+    totals = table(["batches", "lost", "duplicated", "mismatches", "recompiles", "experts reloaded", "step p50 ms"],
+                   [[r["requests_completed"], r["requests_lost"], r["requests_duplicated"], r["output_mismatches"],
+                     r["recompiles"], r["experts_reloaded"], r["step_p50_ms"]]])
+    return f"{resizes}\n\n{totals}"
+
+
 def render_gpu(r: dict) -> str:
     intro = f"{r['device']}, torch {r['torch']}, CUDA kernel {r.get('cuda_kernel')}"
     return intro + "\n\n" + table(["stage", "status", "seconds"],
@@ -150,7 +163,8 @@ def render_gpu(r: dict) -> str:
 RENDERERS = {"run": render_run, "bench": render_bench, "data_plane": render_bench, "data_plane_cpp_wrapper": render_bench,
              "routing_ops": render_routing_ops, "op_in_step": render_op_in_step, "commit": render_commit,
              "transfer_planning": render_transfer_planning, "policy_stall": render_policy_stall,
-             "movement": render_movement, "injected_work": render_injected_work, "gpu": render_gpu}
+             "movement": render_movement, "injected_work": render_injected_work, "elastic": render_elastic,
+             "elastic_fault": render_elastic, "gpu": render_gpu}
 TITLES = {
     "run": "`make run` (`eplb-graph run`: 2 ranks, compiled, live EPLB, outputs checked every step)",
     "bench": "`eplb-graph bench` (capture vs eager, EPLB off / on_idle / on_rearranging)",
@@ -163,6 +177,8 @@ TITLES = {
     "policy_stall": "`bench_policy_stall.py` (a main-thread step beside upstream's policy, in-thread or in a helper)",
     "movement": "`bench_movement.py` (Gloo-staged movement, commit cost, sync vs async rearrangement)",
     "injected_work": "`bench_injected_work.py` (what host work after each router costs a multi-rank step)",
+    "elastic": "`eplb-graph run --scale-plan 2,4,2` (elastic EP: resized while serving, compiled)",
+    "elastic_fault": "`eplb-graph run --scale-plan 2,4,4 --kill 3@150` (a member SIGKILLed, then replaced)",
     "gpu": "`gpu_bench.py` on a lent GPU",
 }
 
@@ -216,6 +232,21 @@ def headline(record: dict) -> str:
         largest = commit["results"][-1]
         rows.append([f"layer commit, {largest['num_logical']} + {largest['num_redundant']} experts: upstream / ours ms",
                      f"{largest['commit_upstream_p50_ms']} / {largest['commit_adapter_p50_ms']}", "-", "`bench_commit.py`"])
+    elastic, fault = record.get("elastic"), record.get("elastic_fault")
+    if elastic:
+        worst = max(elastic["resizes"], key=lambda x: x["reconfiguration_seconds"] or 0.0)
+        rows.append(["elastic resize 2 -> 4 -> 2: request to serving at the new size, s (longest pause)",
+                     f"{worst['reconfiguration_seconds']} ({max(x['serving_pause_seconds'] for x in elastic['resizes'])})",
+                     "<= 5 (<= 0.5)", "`eplb-graph run --scale-plan 2,4,2`"])
+        rows.append(["elastic: recompiles / lost / duplicated / mismatches",
+                     f"{elastic['recompiles']} / {elastic['requests_lost']} / {elastic['requests_duplicated']} / "
+                     f"{elastic['output_mismatches']}", "0 / 0 / 0 / 0", "`eplb-graph run --scale-plan 2,4,2`"])
+    if fault:
+        recovery = next((x for x in fault["resizes"] if x["kind"] == "recovery"), None)
+        if recovery:
+            rows.append(["a member killed (1 of 4): death to serving again, s / lost / mismatches",
+                         f"{recovery['reconfiguration_seconds']} / {fault['requests_lost']} / {fault['output_mismatches']}",
+                         "<= 5 / 0 / 0", "`eplb-graph run --scale-plan 2,4,4 --kill 3@150`"])
     gpu = record.get("gpu")
     rows.append(["GPU (CUDA graphs, Triton kernel)", "not measured yet: no GPU has been lent" if gpu is None
                  else f"{sum(e['status'] == 'ok' for e in gpu['stages'].values())} of {len(gpu['stages'])} stages ok",
