@@ -92,6 +92,8 @@ class ElasticMember:
         self.workload = self.cfg.workload()
         self.pending: tuple[Generation, float] | None = None  # announced, since (monotonic)
         self.step = 0
+        self.reshuffling = False  # inside a resize's weight move: a failure leaves weights unlike the lookups
+        self.lost_peer: str | None = None  # a peer lost while joining, recovered from before serving
         founding_rank = None
         if first_generation == 0:
             founding_rank = read_generation(self.store, spec.name, 0, spec.timeout_s).rank_of(member)
@@ -128,7 +130,12 @@ class ElasticMember:
         self.result.join_prepare_s = time.monotonic() - started
         self.store.set(self.spec.key("gen", index, "ready", self.member), "1")
         self.step, old_size = self._wait_for_switch(index)
-        self._after_switch(generation, old_size, joined=True)
+        try:
+            self._after_switch(generation, old_size, joined=True)
+        except RuntimeError as error:  # a peer died during the reshuffle: run() recovers first
+            if self.spec.expert_source is None or not is_lost_peer(error):
+                raise
+            self.lost_peer = str(error)
 
     def _warm_up(self) -> None:
         """One forward per capture size, recording nothing: the graphs exist before serving."""
@@ -157,6 +164,8 @@ class ElasticMember:
     # -- serving -----------------------------------------------------------------------
 
     def run(self) -> MemberResult:
+        if self.lost_peer is not None:
+            recover(self, self.lost_peer)
         while self.serving():
             lost_peer = None
             try:
@@ -277,8 +286,10 @@ class ElasticMember:
         started = time.monotonic()
         moved = 0
         if new_size < old_size:  # the departing ranks' experts go to the survivors first, over the old group
+            self.reshuffling = True
             moved = reshuffle(self.models.rank_layers, self.group.process_group, old_size, new_size,
                               self.models.num_local, timeout_s=self.spec.timeout_s).bytes_moved
+            self.reshuffling = False
         if self.group.rank == 0:
             self.store.set(self.spec.key("gen", generation.index, "switch"), f"{self.step},{old_size}")
         self.pending, self.next_generation = None, generation.index + 1
@@ -295,8 +306,10 @@ class ElasticMember:
         started = time.monotonic() if started is None else started
         self.next_generation = generation.index + 1
         if generation.size > old_size:  # the new ranks get their experts, over the new group
+            self.reshuffling = True
             moved += reshuffle(self.models.rank_layers, self.group.process_group, old_size, generation.size,
                                self.models.num_local, timeout_s=self.spec.timeout_s).bytes_moved
+            self.reshuffling = False
         self.result.resizes.append({
             "generation": generation.index, "old_size": old_size, "new_size": generation.size,
             "first_step": self.step, "joined": joined, "switch_s": time.monotonic() - started, "bytes_moved": moved,

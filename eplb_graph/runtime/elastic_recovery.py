@@ -56,12 +56,14 @@ def surviving_placement(placement: torch.Tensor, survivor_ranks: list[int], num_
 
 
 def reload_lost_experts(layers: list[RankLayer], recovered: torch.Tensor, old_rank: int, new_rank: int,
-                        num_local: int, source: Path) -> int:
-    """Loads this member's slots whose expert changed from ``source``; routes by ``recovered``
-    afterwards. Returns how many slots were loaded."""
+                        num_local: int, source: Path, *, everything: bool = False) -> int:
+    """Loads this member's slots whose expert changed from ``source`` (``everything``: every hosted
+    slot, after a weight move the failure interrupted); routes by ``recovered`` afterwards.
+    Returns how many slots were loaded."""
     old = [layer.tables.physical_to_logical[old_rank * num_local : (old_rank + 1) * num_local] for layer in layers]
     mine = recovered[:, new_rank * num_local : (new_rank + 1) * num_local]  # [L, num_local]
-    changed = [torch.nonzero(row != before).flatten().tolist() for row, before in zip(mine, old)]
+    changed = [torch.nonzero((row >= 0) if everything else (row != before)).flatten().tolist()
+               for row, before in zip(mine, old)]
     loaded = 0
     if any(changed):
         experts = torch.load(source, mmap=True)  # [L][tensors], each [num_logical, ...]
@@ -116,7 +118,8 @@ def recover(member, error: str) -> None:
     recovered = surviving_placement(placement, [broken.rank_of(m) for m in generation.members], num_local,
                                     cfg.num_experts)
     loaded = reload_lost_experts(layers, recovered, broken.rank_of(member.member), group.rank, num_local,
-                                 Path(spec.expert_source))
+                                 Path(spec.expert_source), everything=member.reshuffling)
+    member.reshuffling = False
     resume = _all_max(torch.tensor([member.step]), group.process_group)[0].item()
     requeued = member.serve_what_was_lost(broken, generation, resume)
     dead = [m for m in broken.members if m not in generation.members]
