@@ -1,4 +1,8 @@
-"""The `eplb-graph` command line."""
+"""The `eplb-graph` command line: demo, inspect, run (and run --scale-plan), serve, bench.
+
+Longer than one module should be because every subcommand's flags and its handler live
+here, side by side, so `--help` and the code agree; each handler only builds a config and
+calls its runtime module (``rank``, ``elastic_run``, ``elastic_http``, ``bench``)."""
 
 from __future__ import annotations
 

@@ -18,6 +18,9 @@ at its size. A resize:
    members leave; scaling up, the experts are spread over the new ranks over the new group.
 
 No graph is compiled or captured on the serving path: every shape is the maximum size's.
+
+Longer than one reading because the member's three phases (join, serve, switch) share its
+state and are read together; recovery from a dead member lives in ``elastic_recovery``.
 """
 
 from __future__ import annotations
