@@ -126,13 +126,17 @@ class ElasticRun:
             return "pending"
         return "abandoned" if self.store.get(key).decode() == ABANDONED else "switched"
 
-    def run(self, spares: int, timeout_s: float = 600.0) -> dict:
-        cfg = self.spec.cfg
+    def start_first_generation(self, spares: int) -> None:
+        """Members 0..plan[0]-1 as generation 0, and ``spares`` warm spares beside them."""
         self.members = tuple(range(self.plan[0]))
         announce_generation(self.store, self.spec.name, Generation(0, self.members))
         for member in self.members:
             self.start(member, 0)
         self.top_up_spares(spares)
+
+    def run(self, spares: int, timeout_s: float = 600.0) -> dict:
+        cfg = self.spec.cfg
+        self.start_first_generation(spares)
         resize_steps = [cfg.steps * index // len(self.plan) for index in range(1, len(self.plan))]
         sizes = list(self.plan[1:])
         started = time.monotonic()

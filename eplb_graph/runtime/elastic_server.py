@@ -84,14 +84,8 @@ class ElasticServer:
 
     def start(self, timeout_s: float = 300.0) -> ElasticServer:
         """Starts the members and returns once the group has served its first step."""
-        from eplb_graph.runtime.elastic_group import Generation, announce_generation
-
         run = self.coordinator
-        run.members = tuple(range(self.cfg.ranks))
-        announce_generation(self.store, self.spec.name, Generation(0, run.members))
-        for member in run.members:
-            run.start(member, 0)
-        run.top_up_spares(self.spares)
+        run.start_first_generation(self.spares)
         self._monitor = threading.Thread(target=self._watch, name="elastic-server", daemon=True)
         self._monitor.start()
         deadline = time.monotonic() + timeout_s
