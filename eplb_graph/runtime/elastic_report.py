@@ -1,8 +1,9 @@
 """An elastic run's ``report.json`` and timeline plot, from the members' step records.
 
-Member 0 is rank 0 of every generation (surviving ranks keep their numbers, the last ones
-leave), so its step-end times are the group's timeline: per resize, the time from the
-coordinator's request to the first step completed at the new size
+The group's timeline is every step's last end over the members that served it (all members
+step together; a member that dies or leaves takes its records with it, the survivors have
+the rest): per resize, the time from the coordinator's request to the first step completed
+at the new size
 (``reconfiguration_seconds``), the longest gap with no step completing in that window
 (``serving_pause_seconds``), and the steps in it that took more than three times the
 run's median step (``steps_paused``).
@@ -22,9 +23,19 @@ def _served(members: list[dict]) -> list[dict]:
     return [m for m in members if "steps" in m]
 
 
+def group_timeline(members: list[dict]) -> list[tuple[float, int, int]]:
+    """(end time, step, group size) per step the group completed, in step order: a step ends when
+    its last member ends it."""
+    steps: dict[int, tuple[float, int]] = {}
+    for m in members:
+        for end, step, size in zip(m["step_end_s"], m["steps"], m["step_size"]):
+            steps[step] = max((end, size), steps.get(step, (end, size)))
+    return [(end, step, size) for step, (end, size) in sorted(steps.items())]
+
+
 def resize_entry(request: dict, timeline: list[tuple[float, int, int]], median_gap: float,
                  members: list[dict]) -> dict:
-    """One resize, from member 0's (end time, step, size) records after the request."""
+    """One resize, from the group's (end time, step, size) timeline after the request."""
     entry = {key: request[key] for key in ("kind", "generation", "old_size", "new_size", "at_step", "outcome")}
     origin = request["died_s"] if request["kind"] == "recovery" else request["requested_s"]  # a recovery: from the death
     after = [(t, step, size) for t, step, size in timeline if t >= origin]
@@ -59,14 +70,14 @@ def request_accounting(logs: list[list[list[int]]]) -> dict:
 
 def summarize_elastic(cfg, plan: tuple[int, ...], max_ranks: int, raw: dict) -> dict:
     members = _served(raw["members"])
-    lead = next(m for m in members if m["member"] == 0)
-    timeline = list(zip(lead["step_end_s"], lead["steps"], lead["step_size"]))
-    gaps = [b - a for a, b in zip(lead["step_end_s"], lead["step_end_s"][1:])]
+    timeline = group_timeline(members)
+    ends = [end for end, _, _ in timeline]
+    gaps = [b - a for a, b in zip(ends, ends[1:])]
     median_gap = statistics.median(gaps) if gaps else 0.0
     resizes = [resize_entry(request, timeline, median_gap, members) for request in raw["requests"]]
     joiners = [m["join_prepare_s"] for m in members if m.get("join_prepare_s") is not None]
     requests = request_accounting(list(raw["served"].values()))
-    recoveries = [r for m in members for r in m["recoveries"] if m["member"] == 0]
+    recoveries = {r["generation"] for m in members for r in m["recoveries"]}
     return {
         **requests,
         "recoveries": len(recoveries),
@@ -109,22 +120,22 @@ def failed_elastic_invariants(report: dict) -> list[str]:
 
 
 def write_elastic_plot(out: Path, raw: dict) -> Path:
-    """Step latency and group size over time, member 0's view, resize requests marked."""
+    """Step latency and group size over time, the group's timeline, resize requests marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lead = next(m for m in _served(raw["members"]) if m["member"] == 0)
-    start = lead["step_end_s"][0]
-    times = [t - start for t in lead["step_end_s"]]
-    latency = [1e3 * (b - a) for a, b in zip(lead["step_end_s"], lead["step_end_s"][1:])]
+    timeline = group_timeline(_served(raw["members"]))
+    start = timeline[0][0]
+    times = [end - start for end, _, _ in timeline]
+    latency = [1e3 * (b - a) for a, b in zip(times, times[1:])]
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.plot(times[1:], latency, lw=0.8, label="step (ms)")
     ax.set_xlabel("seconds")
     ax.set_ylabel("step latency (ms)")
     sizes = ax.twinx()
-    sizes.step(times, lead["step_size"], where="post", color="tab:green", label="EP ranks")
+    sizes.step(times, [size for _, _, size in timeline], where="post", color="tab:green", label="EP ranks")
     sizes.set_ylabel("EP ranks")
     for request in raw["requests"]:
         ax.axvline(request["requested_s"] - start, color="tab:red", ls="--", lw=0.8)

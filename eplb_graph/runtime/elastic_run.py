@@ -194,11 +194,10 @@ class ElasticRun:
                 self.members, self.current = request.members, request.generation
         if member not in self.members:
             return  # a spare or a joiner that never served: nothing to recover
-        survivors = tuple(m for m in self.members if m != member)
-        if member == 0 or len(survivors) * self.num_local < self.spec.cfg.num_experts:
-            why = ("member 0 is every generation's rank 0" if member == 0 else
-                   f"{len(survivors)} survivors x {self.num_local} slots cannot host {self.spec.cfg.num_experts} experts")
-            self.failures[member] = f"died and cannot be recovered from: {why}"
+        survivors = tuple(m for m in self.members if m != member)  # the first of them is the new rank 0
+        if len(survivors) * self.num_local < self.spec.cfg.num_experts:
+            self.failures[member] = (f"died and cannot be recovered from: {len(survivors)} survivors x "
+                                     f"{self.num_local} slots cannot host {self.spec.cfg.num_experts} experts")
             return
         index, self.next_index = self.next_index, self.next_index + 1
         self.requests.append(ResizeRequest(index, len(self.members), len(survivors), time.monotonic(),
@@ -242,9 +241,8 @@ def parse_kills(texts: list[str]) -> tuple[tuple[int, int], ...]:
             member, step = (int(part) for part in text.split("@"))
         except ValueError:
             raise ValueError(f"--kill takes MEMBER@STEP, e.g. 3@150; got {text!r}") from None
-        if member < 1 or step < 1:
-            raise ValueError(f"--kill {text}: member 0 (every generation's rank 0) cannot be killed, and the "
-                             f"step must be >= 1")
+        if member < 0 or step < 1:
+            raise ValueError(f"--kill {text}: the member must be >= 0 and the step >= 1")
         kills.append((member, step))
     return tuple(kills)
 

@@ -1,4 +1,4 @@
-"""``runtime/elastic_report.py``: what a resize cost, read from member 0's step timeline."""
+"""``runtime/elastic_report.py``: what a resize cost, read from the group's step timeline."""
 
 import json
 
@@ -21,7 +21,7 @@ def raw_run():
     sizes = [2, 2, 2, 2, 2, 4, 4, 4]
     resize = {"generation": 1, "old_size": 2, "new_size": 4, "first_step": 5, "joined": False, "switch_s": 0.2,
               "bytes_moved": 1000}
-    joiner = member(2, [1.30, 1.31, 1.32], [4, 4, 4], join_prepare_s=0.05,
+    joiner = member(2, [1.30, 1.31, 1.32], [4, 4, 4], steps=[5, 6, 7], join_prepare_s=0.05,
                     resizes=[dict(resize, joined=True, bytes_moved=500)])
     served = {str(m): [[step, rank, size] for step, size in zip(range(8), sizes)] for m, rank in ((0, 0), (1, 1))}
     served.update({"2": [[step, 2, 4] for step in (5, 6, 7)], "3": [[step, 3, 4] for step in (5, 6, 7)]})
@@ -68,3 +68,14 @@ def test_the_report_and_timeline_are_written(tmp_path, capsys):
     assert json.loads((tmp_path / "report.json").read_text())["reconfigurations"] == 1
     assert (tmp_path / "elastic_timeline.png").stat().st_size > 0
     assert "2 -> 4 ranks at step 3: switched, serving at the new size after 0.275 s" in capsys.readouterr().out
+
+
+def test_the_timeline_is_the_groups_a_step_ends_with_its_last_member_and_outlives_a_dead_rank_0():
+    raw = raw_run()
+    raw["members"][1]["step_end_s"] = [t + 0.001 for t in raw["members"][1]["step_end_s"]]  # member 1 ends each step later
+    with_founder = summarize_elastic(CFG, (2, 4), 4, raw)["resizes"][0]
+    assert with_founder["reconfiguration_seconds"] == 0.276  # 1.301 - 1.025: member 1's end of step 5
+    del raw["members"][0]  # member 0 died and took its records with it: the others still have every step
+    raw["dead"] = {"0": 1.35}
+    report = summarize_elastic(CFG, (2, 4), 4, raw)
+    assert report["resizes"][0]["reconfiguration_seconds"] == 0.276 and report["members_lost"] == [0]

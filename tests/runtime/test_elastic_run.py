@@ -43,12 +43,13 @@ def test_a_resize_past_its_deadline_is_given_up_and_the_group_serves_on_at_its_s
 
 
 @pytest.mark.launches
-def test_a_member_killed_mid_run_is_recovered_from_with_nothing_lost_and_later_replaced():
+@pytest.mark.parametrize("killed", [3, 0], ids=["a joiner", "rank 0"])  # rank 0: the next survivor takes its place
+def test_a_member_killed_mid_run_is_recovered_from_with_nothing_lost_and_later_replaced(killed):
     cfg = RunConfig(mode="eager", ranks=2, steps=90)
-    raw = run_elastic(cfg, (2, 4, 4), 4, kills=((3, 50),), timeout_s=300)
+    raw = run_elastic(cfg, (2, 4, 4), 4, kills=((killed, 50),), timeout_s=300)
     report = summarize_elastic(cfg, (2, 4, 4), 4, raw)
     assert failed_elastic_invariants(report) == []
-    assert report["members_lost"] == [3] and report["recoveries"] == 1
+    assert report["members_lost"] == [killed] and report["recoveries"] == 1
     assert report["requests_lost"] == 0 and report["requests_duplicated"] == 0 and report["output_mismatches"] == 0
     kinds = [(r["kind"], r["old_size"], r["new_size"], r["outcome"]) for r in report["resizes"]]
     assert kinds == [("resize", 2, 4, "switched"), ("recovery", 4, 3, "switched"), ("resize", 3, 4, "switched")]
