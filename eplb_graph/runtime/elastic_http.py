@@ -32,6 +32,7 @@ def metrics_text(server) -> str:
         "eplb_graph_ep_ranks": ("EP ranks serving now", server.ranks),
         "eplb_graph_reconfigurations_total": ("resizes and recoveries switched", stats.reconfigurations),
         "eplb_graph_recoveries_total": ("members lost and recovered from", stats.recoveries),
+        "eplb_graph_member_failures_total": ("members that ended with an error", stats.member_failures),
         "eplb_graph_requests_completed_total": ("requests finished", stats.requests_completed),
         "eplb_graph_requests_requeued_total": ("requests re-queued from a member that left or died",
                                                stats.requests_requeued),

@@ -38,19 +38,25 @@ def save_expert_source(cfg: RunConfig, path: Path) -> Path:
 def surviving_placement(placement: torch.Tensor, survivor_ranks: list[int], num_local: int,
                         num_logical: int) -> torch.Tensor:
     """[L, width] the placement over the survivors (their old ranks, in new rank order), -1 padded,
-    with every expert that lost all its replicas put in place of a replica of the expert that has
-    the most left (the lowest such slot: every survivor computes the same)."""
+    with every expert that lost all its replicas put in a survivor's empty slot (a joiner's, before
+    its experts arrived) or else in place of a replica of the expert that has the most left (the
+    lowest such slot: every survivor computes the same)."""
     num_layers = placement.shape[0]
     recovered = torch.full_like(placement, -1)
     for layer in range(num_layers):
         rows = torch.cat([placement[layer, r * num_local : (r + 1) * num_local] for r in survivor_ranks])
         counts = torch.bincount(rows[rows >= 0], minlength=num_logical)
         for expert in torch.nonzero(counts == 0).flatten().tolist():
+            empty = torch.nonzero(rows < 0).flatten()
             donor = int(torch.argmax(counts))  # the first expert with the most replicas
-            if counts[donor] < 2:
+            if empty.numel():
+                slot = int(empty[0])
+            elif counts[donor] >= 2:
+                slot = int(torch.nonzero(rows == donor)[0])
+                counts[donor] -= 1
+            else:
                 raise RuntimeError(f"layer {layer}: {len(survivor_ranks)} survivors cannot host expert {expert}")
-            slot = int(torch.nonzero(rows == donor)[0])
-            rows[slot], counts[donor], counts[expert] = expert, counts[donor] - 1, 1
+            rows[slot], counts[expert] = expert, 1
         recovered[layer, : rows.numel()] = rows
     return recovered
 
@@ -114,11 +120,14 @@ def recover(member, error: str) -> None:
     index = int(store.get(key))
     generation = group.join(index)
     layers, num_local = member.models.rank_layers, member.models.num_local
-    placement = torch.stack([layer.tables.physical_to_logical for layer in layers])  # [L, width]
+    own = torch.stack([layer.tables.physical_to_logical for layer in layers])  # [L, width]
+    # a failure inside a weight move can leave the members' tables a commit apart: all take rank 0's
+    placement = _from_rank_0(own, group.rank, group.process_group)
     recovered = surviving_placement(placement, [broken.rank_of(m) for m in generation.members], num_local,
                                     cfg.num_experts)
+    stale = member.reshuffling or not torch.equal(own, placement)  # weights unlike the agreed placement
     loaded = reload_lost_experts(layers, recovered, broken.rank_of(member.member), group.rank, num_local,
-                                 Path(spec.expert_source), everything=member.reshuffling)
+                                 Path(spec.expert_source), everything=stale)
     member.reshuffling = False
     resume = _all_max(torch.tensor([member.step]), group.process_group)[0].item()
     requeued = member.serve_what_was_lost(broken, generation, resume)
@@ -131,6 +140,14 @@ def recover(member, error: str) -> None:
         "experts_reloaded": loaded, "requests_requeued": requeued, "recovery_s": time.monotonic() - started,
         "resume_step": resume,
     })
+
+
+def _from_rank_0(tensor: torch.Tensor, rank: int, pg) -> torch.Tensor:
+    """Rank 0's ``tensor`` (integers >= -1) on every rank: a sum where the others contribute zeros."""
+    shifted = tensor + 1 if rank == 0 else torch.zeros_like(tensor)
+    if pg is not None:
+        dist.all_reduce(shifted, op=dist.ReduceOp.SUM, group=pg)
+    return shifted - 1
 
 
 def _all_max(tensor: torch.Tensor, pg) -> torch.Tensor:

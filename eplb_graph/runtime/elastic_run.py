@@ -182,8 +182,10 @@ class ElasticRun:
                 self.killed_s[member] = time.monotonic()
                 del self.kills[member]
 
-    def recover_without(self, member: int) -> None:
-        """A member died: a pending resize is given up, and the survivors get a recovery generation."""
+    def recover_without(self, member: int) -> bool:
+        """A member died: a pending resize is given up, and the survivors get a recovery generation;
+        False where there was nothing to recover (a spare or a joiner that never served) or
+        nothing to recover with (then ``failures`` says why)."""
         self.dead[member] = self.killed_s.get(member, time.monotonic())
         if self.requests and self.requests[-1].outcome == "pending":
             request = self.requests[-1]
@@ -193,17 +195,19 @@ class ElasticRun:
             if not won:
                 self.members, self.current = request.members, request.generation
         if member not in self.members:
-            return  # a spare or a joiner that never served: nothing to recover
-        survivors = tuple(m for m in self.members if m != member)  # the first of them is the new rank 0
+            return False  # a spare or a joiner that never served: nothing to recover
+        # the first survivor is the new rank 0; a member that died before (its recovery given up) is no survivor
+        survivors = tuple(m for m in self.members if m not in self.dead)
         if len(survivors) * self.num_local < self.spec.cfg.num_experts:
             self.failures[member] = (f"died and cannot be recovered from: {len(survivors)} survivors x "
                                      f"{self.num_local} slots cannot host {self.spec.cfg.num_experts} experts")
-            return
+            return False
         index, self.next_index = self.next_index, self.next_index + 1
         self.requests.append(ResizeRequest(index, len(self.members), len(survivors), time.monotonic(),
                                            self.progress(), survivors, kind="recovery", died_s=self.dead[member]))
         announce_generation(self.store, self.spec.name, Generation(index, survivors))
         self.store.set(self.spec.key("recovery", self.current), str(index))
+        return True
 
     def release_spares(self) -> None:
         """No resize is left: the spares end without serving."""

@@ -45,6 +45,7 @@ class ServerStats:
     output_mismatches: int = 0
     reconfigurations: int = 0
     recoveries: int = 0
+    member_failures: int = 0  # members that ended with an error (recovered from like a death)
 
 
 class ElasticServer:
@@ -66,6 +67,7 @@ class ElasticServer:
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.failed_members: dict[int, str] = {}  # member -> its error, once it ended with one
         self._clients = threading.local()
 
     @property
@@ -90,8 +92,9 @@ class ElasticServer:
         self._monitor.start()
         deadline = time.monotonic() + timeout_s
         while run.progress() == 0:
-            if run.failures or time.monotonic() > deadline:
-                raise RuntimeError(f"the EP group did not start serving: {run.failures or 'timed out'}")
+            why = self.error or run.failures or self.failed_members
+            if why or time.monotonic() > deadline:
+                raise RuntimeError(f"the EP group did not start serving: {why or 'timed out'}")
             time.sleep(0.05)
         return self
 
@@ -152,6 +155,11 @@ class ElasticServer:
         with self.lock:
             return len(self.assigned)
 
+    def in_flight_on(self, member: int) -> int:
+        """Requests assigned to ``member`` and not finished yet."""
+        with self.lock:
+            return sum(m == member for m in self.assigned.values())
+
     # -- scaling -----------------------------------------------------------------------
 
     def scale(self, new_size: int, drain_timeout: float | None = None) -> str:
@@ -180,7 +188,9 @@ class ElasticServer:
             while request.outcome == "pending" and time.monotonic() < deadline:
                 time.sleep(0.02)
             if request.outcome != "switched":
-                raise ScaleError(500, f"Scale failed: the resize to {new_size} ranks was {request.outcome}")
+                failed = {m: why for m, why in self.failed_members.items() if m in request.members}
+                raise ScaleError(500, f"Scale failed: the resize to {new_size} ranks was {request.outcome}"
+                                      + "".join(f"; member {m} failed: {why}" for m, why in failed.items()))
             return f"Scaled to {new_size} data parallel engines"
         finally:
             self.scaling = False
@@ -208,17 +218,28 @@ class ElasticServer:
     def _watch_loop(self) -> None:
         run = self.coordinator
         while not self._stop.is_set():
-            died = run._collect()
+            lost = run._collect() + self._failed_since()
             with self.lock:
-                for member in died:  # its requests are re-queued once the survivors switched
-                    run.recover_without(member)
-                    self.stats.recoveries += 1
+                for member in lost:  # its requests are re-queued once the survivors switched
+                    self.stats.recoveries += run.recover_without(member)
+                if run.failures:  # a loss the group cannot recover from: every call says so from now on
+                    raise RuntimeError(f"the EP group cannot keep serving: {run.failures}")
                 request = run.requests[-1] if run.requests else None
                 if request is not None and request.outcome == "pending":
                     request.outcome = run.outcome(request)
                     if request.outcome == "switched":
                         self._switched(request)
                 self._collect_results()
+
+    def _failed_since(self) -> list[int]:
+        """Members that reported an error since the last look: a serving process that fails is lost
+        to the group as a killed one is, and is recovered from the same way."""
+        run = self.coordinator
+        failed = [m for m in run.failures if m in run.processes and m not in run.dead]
+        for member in failed:
+            self.failed_members[member] = run.failures.pop(member)
+            self.stats.member_failures += 1
+        return failed
 
     def _switched(self, request) -> None:
         run = self.coordinator

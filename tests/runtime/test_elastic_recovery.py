@@ -21,6 +21,13 @@ def test_survivors_keep_their_slots_and_the_experts_lost_with_the_dead_take_spar
     assert recovered.tolist() == [[2, 1, 3, 0, -1, -1, -1, -1]]  # expert 0's first replicas gave way, one stays
 
 
+def test_an_expert_lost_with_the_dead_goes_to_an_empty_slot_before_it_displaces_a_replica():
+    # 3 ranks x 2 slots, rank 2 a joiner whose experts had not arrived: rank 0 dies with experts 0 and 1
+    placement = torch.tensor([[0, 1, 2, 3, -1, -1]])
+    recovered = surviving_placement(placement, [1, 2], num_local=2, num_logical=4)
+    assert recovered.tolist() == [[2, 3, 0, 1, -1, -1]]
+
+
 def test_every_expert_keeps_a_replica_after_a_recovery():
     placement = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 0, 1]])  # 5 ranks x 2
     recovered = surviving_placement(placement, [0, 2, 4], num_local=2, num_logical=4)  # ranks 1 and 3 died

@@ -6,6 +6,7 @@ reference as they were generated (``matches_reference``).
 
 import random
 import threading
+import time
 
 import pytest
 
@@ -51,3 +52,42 @@ def test_requests_complete_exactly_once_through_resizes_under_traffic():
     assert results and all(r["matches_reference"] for r in results)
     assert server.stats.reconfigurations == 2
     assert server.stats.requests_submitted == len(results) + 1  # every one came back, once
+
+
+@pytest.mark.launches
+def test_a_member_killed_under_traffic_loses_no_request_and_is_replaced():
+    server = ElasticServer(RunConfig(mode="eager", ranks=2), 4).start()
+    results, stop = [], threading.Event()
+
+    def client(seed):
+        rng = random.Random(seed)
+        while not stop.is_set():
+            prompt = [rng.randrange(256) for _ in range(rng.randrange(1, 8))]
+            results.append(server.generate(prompt, rng.randrange(1, 8), timeout_s=120))
+
+    clients = [threading.Thread(target=client, args=(seed,)) for seed in range(3)]
+    try:
+        for thread in clients:
+            thread.start()
+        assert server.scale(4) == "Scaled to 4 data parallel engines"
+        # rank 0, at once: the joiners may still be taking their experts over the new group
+        server.coordinator.processes[0].kill()
+        assert server.generate([5, 6], 3, timeout_s=120)["matches_reference"]
+        wait_until(lambda: server.ranks == 3 and not server.in_flight_on(0))
+        assert 0 not in server.coordinator.members
+        assert server.scale(4) == "Scaled to 4 data parallel engines" and server.ranks == 4  # a replacement
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join(150)
+        server.shutdown()
+    assert results and all(r["matches_reference"] for r in results)
+    assert server.stats.recoveries == 1 and server.stats.reconfigurations == 3
+    assert server.stats.requests_submitted == len(results) + 1  # every one came back, once
+
+
+def wait_until(condition, timeout_s=120.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
