@@ -12,7 +12,8 @@ at its size. A resize:
    gloo group in a thread, and rank 0, once it is built, sends each joining member the
    non-expert weights and the placement; joining members warm their graphs up alone
    (``ElasticEpGroup.solo``) and say ready in the store;
-2. *ready everywhere*: scaling down, the departing ranks' experts move to the survivors
+2. *ready everywhere* (and released, where the coordinator holds the resize while it drains
+   requests; or given up, where the drain timed out): scaling down, the departing ranks' experts move to the survivors
    over the old group; then the switch: rank 0 writes the step, every member swaps its
    group slot (the graphs follow: the EP ops resolve the group by name); departing
    members leave; scaling up, the experts are spread over the new ranks over the new group.
@@ -94,6 +95,7 @@ class ElasticMember:
         self.result = MemberResult(member)
         self.workload = self.cfg.workload()
         self.pending: tuple[Generation, float] | None = None  # announced, since (monotonic)
+        self.released_s: float | None = None  # rank 0: since when the pending resize may switch (not held)
         self.step = 0
         self.reshuffling = False  # inside a resize's weight move: a failure leaves weights unlike the lookups
         self.lost_peer: str | None = None  # a peer lost while joining, recovered from before serving
@@ -236,9 +238,11 @@ class ElasticMember:
         if self.pending is None:
             control[0] = rank == 0 and generation_announced(self.store, self.spec.name, self.next_generation)
         else:
-            control[1] = not self._ready()
+            release = self._release() if rank == 0 else "go"
+            control[1] = not self._ready() or release == "wait"
             failed = self.group.standby_failed() is not None
-            control[2] = failed or (rank == 0 and time.monotonic() - self.pending[1] > self.spec.deadline_s)
+            late = rank == 0 and release == "go" and time.monotonic() - self.released_s > self.spec.deadline_s
+            control[2] = failed or release == "abandon" or late
         pg, _, size = self.group.current()
         if pg is not None:
             dist.all_reduce(control, op=dist.ReduceOp.MAX, group=pg)
@@ -258,6 +262,8 @@ class ElasticMember:
 
     def _prepare(self, generation: Generation) -> None:
         self.pending = (generation, time.monotonic())
+        held = self.store.check([self.spec.key("gen", generation.index, "hold")])
+        self.released_s = None if held else self.pending[1]
         if self.member not in generation.members:
             return  # departing: nothing to build
         joiner_ranks = [generation.rank_of(m) for m in self._joiners(generation)]
@@ -267,6 +273,18 @@ class ElasticMember:
                 self.result.state_bytes_sent += send_state(self.models, pg, joiner)
 
         self.group.build_standby(generation, after_build=send if self.group.rank == 0 and joiner_ranks else None)
+
+    def _release(self) -> str:
+        """Rank 0: "go" once the pending resize may switch, "wait" while the coordinator holds it (a
+        drain of requests runs beside the preparation), "abandon" where the coordinator gave it up."""
+        if self.released_s is not None:
+            return "go"
+        generation, _ = self.pending
+        key = self.spec.key("gen", generation.index, "release")
+        value = self.store.get(key).decode() if self.store.check([key]) else "wait"
+        if value == "go":
+            self.released_s = time.monotonic()  # the deadline counts from here
+        return value
 
     def _ready(self) -> bool:
         generation, _ = self.pending

@@ -104,8 +104,11 @@ class ElasticRun:
             self.start(member, None)
             self.spares.append(member)
 
-    def request(self, generation: int, members: tuple[int, ...], new_size: int) -> tuple[int, ...]:
-        """Assigns spares (or starts new processes) to join, announces the generation; returns its members."""
+    def request(self, generation: int, members: tuple[int, ...], new_size: int, *, hold: bool = False) -> tuple[int, ...]:
+        """Assigns spares (or starts new processes) to join, announces the generation; returns its members.
+        ``hold``: the members prepare but do not switch before ``release``."""
+        if hold:  # before the announcement: every member reads it when it starts preparing
+            self.store.set(self.spec.key("gen", generation, "hold"), "1")
         new_members = members[:new_size]
         for _ in range(new_size - len(members)):
             if self.spares:
@@ -119,6 +122,10 @@ class ElasticRun:
                                            new_members))
         announce_generation(self.store, self.spec.name, Generation(generation, new_members))
         return new_members
+
+    def release(self, generation: int, *, go: bool) -> None:
+        """A held resize may switch (``go``), or is given up: its joiners leave, its groups are dropped."""
+        self.store.set(self.spec.key("gen", generation, "release"), "go" if go else "abandon")
 
     def outcome(self, request: ResizeRequest) -> str:
         key = self.spec.key("gen", request.generation, "switch")

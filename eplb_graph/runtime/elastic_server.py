@@ -64,6 +64,7 @@ class ElasticServer:
         self.next_rid, self.turn = 0, 0
         self.stats = ServerStats()
         self.scaling = False
+        self.held: list[int] | None = None  # while a drain runs: requests submitted since, not assigned yet
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -122,7 +123,10 @@ class ElasticServer:
             rid, self.next_rid = self.next_rid, self.next_rid + 1
             self.store.set(self.spec.key("req", rid), json.dumps(
                 {"prompt_token_ids": prompt_token_ids, "max_new_tokens": max_new_tokens}))
-            self._assign(rid)
+            if self.held is None:
+                self._assign(rid)
+            else:  # a drain runs: it goes to the group the resize leaves behind
+                self.held.append(rid)
             self.stats.requests_submitted += 1
         return rid
 
@@ -177,13 +181,15 @@ class ElasticServer:
         try:
             if new_size == self.ranks:
                 return f"Scaled to {new_size} data parallel engines"
-            if drain_timeout is not None:
-                self._drain(drain_timeout)
             with self.lock:
                 run = self.coordinator
-                run.request(run.next_index, run.members, new_size)
+                run.request(run.next_index, run.members, new_size, hold=drain_timeout is not None)
                 run.next_index += 1
                 request = run.requests[-1]
+                if drain_timeout is not None:
+                    self.held = []
+            if drain_timeout is not None:  # the new generation prepares while the old one drains
+                self._drain(request, drain_timeout)
             deadline = time.monotonic() + self.spec.deadline_s + self.spec.timeout_s
             while request.outcome == "pending" and time.monotonic() < deadline:
                 time.sleep(0.02)
@@ -193,14 +199,26 @@ class ElasticServer:
                                       + "".join(f"; member {m} failed: {why}" for m, why in failed.items()))
             return f"Scaled to {new_size} data parallel engines"
         finally:
+            with self.lock:  # after the switch (or not): the held requests go to the group serving now
+                held, self.held = self.held or [], None
+                for rid in held:
+                    self._assign(rid)
             self.scaling = False
 
-    def _drain(self, timeout_s: float) -> None:
+    def _drain(self, request, timeout_s: float) -> None:
+        """Waits for the requests assigned before the resize to finish, then lets it switch; past
+        ``timeout_s`` gives it up (its joiners leave, its standby groups are dropped) and answers 408."""
+        run = self.coordinator
         deadline = time.monotonic() + timeout_s
-        while self.in_flight():
+        while self.in_flight() and request.outcome == "pending":
             if time.monotonic() > deadline:
-                raise ScaleError(408, f"Scale failed due to request drain timeout after {timeout_s} seconds")
+                run.release(request.generation, go=False)
+                while request.outcome == "pending" and time.monotonic() < deadline + self.spec.timeout_s:
+                    time.sleep(0.02)
+                raise ScaleError(408, f"Scale failed due to request drain timeout after {timeout_s} seconds; "
+                                      f"the resize to {request.new_size} ranks was {request.outcome}")
             time.sleep(0.02)
+        run.release(request.generation, go=True)
 
     # -- the coordinator's loop --------------------------------------------------------
 
@@ -229,6 +247,8 @@ class ElasticServer:
                     request.outcome = run.outcome(request)
                     if request.outcome == "switched":
                         self._switched(request)
+                    elif request.outcome == "abandoned":  # its joiners leave: warm up others for the next
+                        run.top_up_spares(self.spares)
                 self._collect_results()
 
     def _failed_since(self) -> list[int]:
