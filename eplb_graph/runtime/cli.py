@@ -1,8 +1,8 @@
 """The `eplb-graph` command line: demo, inspect, run (and run --scale-plan), serve, bench.
 
-Longer than one module should be because every subcommand's flags and its handler live
-here, side by side, so `--help` and the code agree; each handler only builds a config and
-calls its runtime module (``rank``, ``elastic_run``, ``elastic_http``, ``bench``)."""
+Each subcommand's flags and its handler sit side by side, so `--help` and the code agree;
+each handler only builds a config and calls its runtime module (``rank``, ``bench``; the
+elastic flags and handlers are ``elastic_cli``'s)."""
 
 from __future__ import annotations
 
@@ -153,35 +153,18 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_elastic(args: argparse.Namespace) -> int:
-    """``run --scale-plan``: the same runtime resized at fixed steps (``elastic_run``)."""
-    from eplb_graph.runtime.elastic_report import write_elastic_report
-    from eplb_graph.runtime.elastic_run import parse_kills, parse_scale_plan, run_elastic
+    from eplb_graph.runtime.elastic_cli import run_scale_plan
+    from eplb_graph.runtime.elastic_run import parse_scale_plan
 
     plan = parse_scale_plan(args.scale_plan)
-    max_ranks = max(plan) if args.max_ranks is None else args.max_ranks
     config = _run_config(args, ranks=plan[0], tolerance=args.tolerance)
-    if config.cpp_wrapper or config.policy_process or config.device != "cpu":
-        raise ValueError("--scale-plan runs on the host (device cpu) without --cpp-wrapper or --policy-process")
-    out = _output_dir(args.out)
-    kills = parse_kills(args.kill)
-    raw = run_elastic(config, plan, max_ranks, deadline_s=args.resize_deadline, timeout_s=args.timeout, kills=kills)
-    return write_elastic_report(out, config, plan, max_ranks, raw, as_json=args.json)
+    return run_scale_plan(args, plan, config, lambda: _output_dir(args.out))
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """``serve``: the reference decoder as an elastic greedy-generation server (``elastic_http``)."""
-    from eplb_graph.runtime.elastic_http import serve
-    from eplb_graph.runtime.elastic_server import ElasticServer
+    from eplb_graph.runtime.elastic_cli import serve_command
 
-    config = _run_config(args, steps=1)
-    max_ranks = config.ranks if args.max_ranks is None else args.max_ranks
-    if config.cpp_wrapper or config.policy_process or config.device != "cpu":
-        raise ValueError("serve runs on the host (device cpu) without --cpp-wrapper or --policy-process")
-    server = ElasticServer(config, max_ranks, deadline_s=args.resize_deadline)
-    print(f"eplb-graph serve: {config.ranks} EP ranks (up to {max_ranks}) on http://{args.host}:{args.port}",
-          file=sys.stderr)
-    serve(server, args.host, args.port)
-    return 0
+    return serve_command(args, _run_config(args, steps=1))
 
 
 def _log(line: str) -> None:
@@ -280,6 +263,8 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from eplb_graph.runtime.elastic_cli import add_scale_plan_arguments, add_serve_arguments
+
     parser = argparse.ArgumentParser(prog="eplb-graph", description="Graph-mode EPLB for MoE inference")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -307,23 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tolerance", type=float, default=None,
                      help="rtol = atol of the per-step output check, 0 = exact (default: exact in eager mode on "
                           "the host; compiled, the format's: 1e-5 unquantized, 1e-3 quantized)")
-    run.add_argument("--scale-plan", default=None, metavar="N,M[,...]",
-                     help="elastic EP: start at N ranks and resize to each next size at evenly spaced steps")
-    run.add_argument("--max-ranks", type=int, default=None,
-                     help="with --scale-plan: the largest EP size tables and graphs are sized for (default: the plan's)")
-    run.add_argument("--resize-deadline", type=float, default=30.0, metavar="S",
-                     help="with --scale-plan: a resize not switched this long after its request is given up")
-    run.add_argument("--kill", action="append", default=[], metavar="MEMBER@STEP",
-                     help="with --scale-plan: SIGKILL member MEMBER once the group served STEP (the survivors recover)")
+    add_scale_plan_arguments(run)
     run.set_defaults(func=_run)
 
     served = commands.add_parser("serve", help="elastic EP server: greedy generation over HTTP, resizable at run time")
     _add_runtime_arguments(served, steps=1, mode="eager")
-    served.add_argument("--max-ranks", type=int, default=None, help="the largest EP size (default: --ranks)")
-    served.add_argument("--host", default="127.0.0.1")
-    served.add_argument("--port", type=int, default=8000)
-    served.add_argument("--resize-deadline", type=float, default=30.0, metavar="S",
-                        help="a resize not switched this long after its request is given up")
+    add_serve_arguments(served)
     served.set_defaults(func=_serve)
 
     bench = commands.add_parser("bench", help="step latency: eager vs compiled, EPLB off / on-idle / rearranging")
