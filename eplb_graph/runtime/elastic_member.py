@@ -21,66 +21,27 @@ at its size. A resize:
 No graph is compiled or captured on the serving path: every shape is the maximum size's.
 
 Longer than one reading because the member's three phases (join, serve, switch) share its
-state and are read together; recovery from a dead member lives in ``elastic_recovery``.
+state and are read together; what members share and report is ``elastic_spec``'s, recovery
+from a dead member ``elastic_recovery``'s.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from eplb_graph.runtime.compile import prepare_forward, unique_graphs
-from eplb_graph.runtime.config import RunConfig
 from eplb_graph.runtime.elastic_group import ElasticEpGroup, Generation, generation_announced, read_generation
 from eplb_graph.runtime.elastic_recovery import is_lost_peer, recover, serve_lost_batches
 from eplb_graph.runtime.elastic_reshuffle import reshuffle
+from eplb_graph.runtime.elastic_spec import ABANDONED, ElasticSpec, MemberResult, ResizeAbandoned
 from eplb_graph.runtime.elastic_stack import build_elastic_models, receive_state, send_state
 from eplb_graph.runtime.step import check_output
 from eplb_graph.runtime.workload import make_batch
-
-
-@dataclass(frozen=True)
-class ElasticSpec:
-    """What every member of one elastic run shares."""
-
-    cfg: RunConfig  # cfg.ranks: the first generation's size
-    max_ranks: int
-    store_host: str
-    store_port: int
-    name: str = "ep"
-    deadline_s: float = 30.0  # announced -> switched, or the resize is given up
-    timeout_s: float = 60.0  # any one collective or store wait
-    expert_source: str | None = None  # the experts on disk: a member that dies is recovered from it
-
-    def connect(self) -> dist.TCPStore:
-        """A new client of the run's store (one per thread that uses it)."""
-        return dist.TCPStore(self.store_host, self.store_port, is_master=False,
-                             timeout=timedelta(seconds=self.timeout_s))
-
-    def key(self, *parts: object) -> str:
-        return "/".join([self.name, *map(str, parts)])
-
-
-@dataclass
-class MemberResult:
-    member: int
-    step_end_s: list[float] = field(default_factory=list)  # monotonic, system-wide: comparable across processes
-    step_size: list[int] = field(default_factory=list)  # the group's size at each step
-    steps: list[int] = field(default_factory=list)
-    output_mismatches: int = 0
-    max_abs_diff: float = 0.0
-    recompiles: int = 0  # after warm-up: on the serving path
-    tokens: int = 0
-    resizes: list[dict] = field(default_factory=list)  # per switch this member took part in
-    abandoned: list[int] = field(default_factory=list)  # generations given up
-    state_bytes_sent: int = 0
-    join_prepare_s: float | None = None  # a joiner: assigned -> ready (group built, state received)
-    left_at_step: int | None = None
-    recoveries: list[dict] = field(default_factory=list)
 
 
 class ElasticMember:
@@ -335,13 +296,6 @@ class ElasticMember:
             "generation": generation.index, "old_size": old_size, "new_size": generation.size,
             "first_step": self.step, "joined": joined, "switch_s": time.monotonic() - started, "bytes_moved": moved,
         })
-
-
-ABANDONED = "abandoned"  # the value of a generation's switch key when its resize was given up
-
-
-class ResizeAbandoned(RuntimeError):
-    """A joining member's resize was given up before it switched: it leaves without serving."""
 
 
 def run_member(member: int, max_ranks: int, store_address: str, spec: ElasticSpec,

@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from eplb_graph.runtime.elastic_group import Generation, announce_generation
-from eplb_graph.runtime.elastic_member import ABANDONED, ElasticSpec, run_member
+from eplb_graph.runtime.elastic_member import run_member
+from eplb_graph.runtime.elastic_spec import ABANDONED, ElasticSpec
 from eplb_graph.runtime.elastic_recovery import save_expert_source, served_log
 from eplb_graph.runtime.elastic_reshuffle import check_new_size
 from eplb_graph.runtime.launch import Heartbeat, RankFailure, _entry, free_port

@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from eplb_graph.runtime.config import RunConfig
-from eplb_graph.runtime.elastic_member import ElasticSpec
+from eplb_graph.runtime.elastic_spec import ElasticSpec
 from eplb_graph.runtime.elastic_recovery import save_expert_source
 from eplb_graph.runtime.elastic_reshuffle import check_new_size
 from eplb_graph.runtime.elastic_run import ElasticRun

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from eplb_graph.runtime.elastic_member import ElasticMember, ElasticSpec, ResizeAbandoned
+from eplb_graph.runtime.elastic_member import ElasticMember
+from eplb_graph.runtime.elastic_spec import ElasticSpec, ResizeAbandoned
 
 IDLE_WAIT_S = 0.002  # an idle step's pause, so an idle group does not spin its cores
 
