@@ -1,0 +1,113 @@
+"""The bench's step breakdown: each rank's probed steps combined, rearranging vs steady.
+
+Each rank's ``RankResult.breakdown`` (``eplb_graph.runtime.step_probes``) holds, per timed
+step, its time, its EPLB host work split ours / upstream, the async worker's CPU time, the
+GIL probe's samples and the CLOCK_MONOTONIC instant the rank was ready to enter the step.
+Here the ranks meet: the wait at a step's first collective is the last rank's ready instant
+less this rank's, and what is left of the step is the forward itself (with whatever the
+GIL and the cores took from it), so that per step
+
+    step_ms = eplb_ours_ms + eplb_upstream_ms + collective_wait_ms + forward_rest_ms
+
+Medians of the parts do not add up to the step's median; their means add up to its mean.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from eplb_graph.bench.stats import percentile
+
+# the parts that add up to a step, then what is read beside them (not parts of the sum)
+PARTS = ("eplb_ours_ms", "eplb_upstream_ms", "collective_wait_ms", "forward_rest_ms")
+BESIDE = ("upstream_ready_sync_ms", "worker_cpu_ms", "gil_wait_ms", "gil_wait_worker_bound_ms", "gil_wait_main_bound_ms")
+PHASES = ("step_ms", *PARTS, *BESIDE)
+
+
+def collective_waits(ready_ns: list[dict[int, int]]) -> list[dict[int, float]]:
+    """Per rank, step -> ms it waited for the last rank to be ready: max over ranks of the
+    ready instants less its own. ``ready_ns``: per rank, step -> CLOCK_MONOTONIC ns; steps
+    that not every rank has are left out."""
+    common = set.intersection(*(set(r) for r in ready_ns)) if ready_ns else set()
+    last = {step: max(r[step] for r in ready_ns) for step in common}
+    return [{step: (last[step] - r[step]) / 1e6 for step in sorted(common)} for r in ready_ns]
+
+
+def completed_records(ranks: list[list[dict]]) -> list[list[dict]]:
+    """Each rank's step records with the wait and the forward's remainder filled in."""
+    waits = collective_waits([{r["step"]: r["ready_ns"] for r in records} for records in ranks])
+    completed = []
+    for records, wait in zip(ranks, waits):
+        rows = []
+        for record in records:
+            if record["step"] not in wait:
+                continue
+            row = dict(record, collective_wait_ms=wait[record["step"]])
+            row["forward_rest_ms"] = (row["step_ms"] - row["eplb_ours_ms"] - row["eplb_upstream_ms"]
+                                      - row["collective_wait_ms"])
+            rows.append(row)
+        completed.append(rows)
+    return completed
+
+
+def summarize(rows: list[dict]) -> dict | None:
+    """p50, p99 and mean of every phase over ``rows`` (None where there are none)."""
+    if not rows:
+        return None
+    summary = {"steps": len(rows)}
+    for phase in PHASES:
+        values = [row[phase] for row in rows]
+        summary[phase] = {"p50": round(statistics.median(values), 3), "p99": round(percentile(values, 99), 3),
+                          "mean": round(statistics.fmean(values), 3)}
+    return summary
+
+
+def step_breakdown(busy: list[dict]) -> dict:
+    """The breakdown of a rearranging run (``run_rank``'s results, one per rank, decode steps):
+    every phase's p50 / p99 / mean over all ranks' rearranging and steady steps, and each rank's."""
+    # a rank's breakdown is aligned with its timed steps' kinds and rearranging flags
+    ranks = [[dict(record, kind=kind, rearranging=busy_step)
+              for record, kind, busy_step in zip(result["breakdown"], result["kinds"], result["rebalancing"], strict=True)]
+             for result in busy]
+    completed = [[row for row in rows if row["kind"] == "decode"] for rows in completed_records(ranks)]
+
+    def split(rows: list[dict]) -> dict:
+        return {"rearranging": summarize([r for r in rows if r["rearranging"]]),
+                "steady": summarize([r for r in rows if not r["rearranging"]])}
+
+    return {**split([row for rows in completed for row in rows]),
+            "per_rank": [{"rank": result["rank"], **split(rows)} for result, rows in zip(busy, completed)]}
+
+
+def format_breakdown(ratios: dict) -> str:
+    """The compact table: p50 (p99) ms of each phase, rearranging / steady, per mode."""
+    modes = [m for m, r in ratios.items() if isinstance(r, dict) and r.get("step_breakdown")]
+    if not modes:
+        return ""
+    columns = [(m, kind) for m in modes for kind in ("rearranging", "steady")]
+    lines = [f"{'step breakdown, p50 (p99) ms':<28}" + "".join(f"{f'{m} {kind}':>22}" for m, kind in columns)]
+    for label, phase in _ROWS:
+        cells = []
+        for mode, kind in columns:
+            summary = ratios[mode]["step_breakdown"][kind]
+            if summary is None:
+                cells.append("n/a")
+                continue
+            value = summary[phase]
+            cells.append(f"{value['p50']:.2f} ({value['p99']:.2f})")
+        lines.append(f"{label:<28}" + "".join(f"{cell:>22}" for cell in cells))
+    return "\n".join(lines)
+
+
+_ROWS = (
+    ("step", "step_ms"),
+    ("EPLB host: ours", "eplb_ours_ms"),
+    ("EPLB host: upstream", "eplb_upstream_ms"),
+    ("  its ready all-reduce", "upstream_ready_sync_ms"),
+    ("wait for the slower rank", "collective_wait_ms"),
+    ("forward and the rest", "forward_rest_ms"),
+    ("worker thread CPU", "worker_cpu_ms"),
+    ("GIL wait (probe)", "gil_wait_ms"),
+    ("  of it the worker's, at most", "gil_wait_worker_bound_ms"),
+    ("  the main thread's, at most", "gil_wait_main_bound_ms"),
+)
