@@ -20,7 +20,8 @@ from eplb_graph.bench.stats import percentile
 
 # the parts that add up to a step, then what is read beside them (not parts of the sum)
 PARTS = ("eplb_ours_ms", "eplb_upstream_ms", "collective_wait_ms", "forward_rest_ms")
-BESIDE = ("upstream_ready_sync_ms", "worker_cpu_ms", "gil_wait_ms", "gil_wait_worker_bound_ms", "gil_wait_main_bound_ms")
+BESIDE = ("upstream_ready_sync_ms", "upstream_install_ms", "upstream_commit_ms", "upstream_rearrange_ms",
+          "worker_cpu_ms", "gil_wait_ms", "gil_wait_worker_bound_ms", "gil_wait_main_bound_ms")
 PHASES = ("step_ms", *PARTS, *BESIDE)
 
 
@@ -104,6 +105,9 @@ _ROWS = (
     ("EPLB host: ours", "eplb_ours_ms"),
     ("EPLB host: upstream", "eplb_upstream_ms"),
     ("  its ready all-reduce", "upstream_ready_sync_ms"),
+    ("  its weight install", "upstream_install_ms"),
+    ("  its map commit", "upstream_commit_ms"),
+    ("  its rearrange()", "upstream_rearrange_ms"),
     ("wait for the slower rank", "collective_wait_ms"),
     ("forward and the rest", "forward_rest_ms"),
     ("worker thread CPU", "worker_cpu_ms"),

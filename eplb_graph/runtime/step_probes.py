@@ -9,9 +9,11 @@
   commit hook (placement commit, lookup refresh), our placement inversion
   (``compute_logical_maps`` as the capability adapter replaced it) and the staging ack
   (what ``_move_to_workspace`` does after our hook). Upstream: the rest of ``EplbState.step``
-  (window update, weight install ``move_from_buffer``, its map copies, ``rearrange``), of
-  which ``upstream_ready_sync_ms`` is its ready all-reduce ``_all_ranks_result_ready``, a
-  collective over the EP CPU group, so it includes waiting there for the slower rank.
+  (window update, weight install ``move_from_buffer``: ``upstream_install_ms``, its map
+  copies ``_commit_eplb_maps_for_layer`` less our parts in it: ``upstream_commit_ms``,
+  ``rearrange``: ``upstream_rearrange_ms``), of which ``upstream_ready_sync_ms`` is
+  its ready all-reduce ``_all_ranks_result_ready``, a collective over the EP CPU group, so
+  it includes waiting there for the slower rank.
   Measured with ``time.perf_counter_ns`` around instance-level wrappers (upstream's code
   itself is not changed); only main-thread calls count.
 * ``ready_ns``: ``CLOCK_MONOTONIC`` when the rank is ready to enter the step. On one host
@@ -160,6 +162,12 @@ def _run_delay_ns(fd: int) -> int:
     return int(os.pread(fd, 128, 0).split()[1])
 
 
+# EplbState's methods the probes time, by phase: the step, its ready all-reduce, and the
+# rearrangement it starts (its load all-reduce, the worker's kick-off)
+_STATE_METHODS = {"step": "upstream_step", "_all_ranks_result_ready": "upstream_ready_sync",
+                  "rearrange": "upstream_rearrange"}
+
+
 class StepProbes:
     """The probes of one rank's steps, on its controller; ``begin_step`` / ``end_step`` per step."""
 
@@ -170,20 +178,22 @@ class StepProbes:
         worker = getattr(state, "async_worker", None)
         if not isinstance(worker, threading.Thread):
             raise ValueError("step probes need upstream's async worker running (EplbState.async_worker)")
-        for name in ("step", "_all_ranks_result_ready"):
+        for name in _STATE_METHODS:
             if not hasattr(state, name):
                 raise RuntimeError(f"upstream vLLM no longer defines EplbState.{name}; the step probes must be updated")
-        for name in ("compute_logical_maps", "_move_to_workspace"):
+        for name in ("compute_logical_maps", "_move_to_workspace", "move_from_buffer", "_commit_eplb_maps_for_layer"):
             if not hasattr(eplb_state, name):
                 raise RuntimeError(f"upstream vLLM no longer defines eplb_state.{name}; the step probes must be updated")
         self.clock = PhaseClock()
         self._state, self._module, self._adapter = state, eplb_state, controller.binding.adapter
         self._originals = {"commit_hook": self._adapter.commit_hook,
                            "compute_logical_maps": eplb_state.compute_logical_maps,
-                           "_move_to_workspace": eplb_state._move_to_workspace}
+                           "_move_to_workspace": eplb_state._move_to_workspace,
+                           "move_from_buffer": eplb_state.move_from_buffer,
+                           "_commit_eplb_maps_for_layer": eplb_state._commit_eplb_maps_for_layer}
         # instance attributes shadow EplbState's methods: the controller and step() look them up there
-        state.step = self.clock.wrap("upstream_step", state.step)
-        state._all_ranks_result_ready = self.clock.wrap("upstream_ready_sync", state._all_ranks_result_ready)
+        for name, phase in _STATE_METHODS.items():
+            setattr(state, name, self.clock.wrap(phase, getattr(state, name)))
         hook = self.clock.wrap("ours_commit_hook", self._originals["commit_hook"])
         self._hook_end: int | None = None
 
@@ -200,6 +210,9 @@ class StepProbes:
         self._adapter.commit_hook = commit_hook
         eplb_state.compute_logical_maps = self.clock.wrap("ours_inversion", self._originals["compute_logical_maps"])
         eplb_state._move_to_workspace = move_to_workspace
+        eplb_state.move_from_buffer = self.clock.wrap("upstream_install", self._originals["move_from_buffer"])
+        # the capability adapter's commit wrapper: upstream's map commit, then our hook inside it
+        eplb_state._commit_eplb_maps_for_layer = self.clock.wrap("commit_layer", self._originals["_commit_eplb_maps_for_layer"])
         self._worker_clock = thread_cpu_clock(worker)
         self.gil = GilProbe({"worker": worker, "main": threading.current_thread()}, interval_s).start()
         self._start: tuple[int, int] = (0, 0)
@@ -223,6 +236,10 @@ class StepProbes:
             "eplb_ours_ms": eplb_host_s * 1e3 - in_step + ours_inside,
             "eplb_upstream_ms": in_step - ours_inside,
             "upstream_ready_sync_ms": phases.get("upstream_ready_sync", 0.0),
+            "upstream_install_ms": phases.get("upstream_install", 0.0),
+            "upstream_rearrange_ms": phases.get("upstream_rearrange", 0.0),
+            "upstream_commit_ms": phases.get("commit_layer", 0.0) - phases.get("ours_commit_hook", 0.0)
+            - phases.get("ours_inversion", 0.0),
             "worker_cpu_ms": worker_cpu / 1e6,
             "gil_wait_ms": sum(s.gil_wait_ns for s in samples) / 1e6,
             "gil_wait_worker_bound_ms": sum(s.could_hold_ns("worker") for s in samples) / 1e6,
@@ -233,8 +250,8 @@ class StepProbes:
     def close(self) -> None:
         """Stops the probe thread and takes the wrappers out (before the controller closes)."""
         self.gil.stop()
-        for name in ("step", "_all_ranks_result_ready"):
+        for name in _STATE_METHODS:
             self._state.__dict__.pop(name, None)
-        self._adapter.commit_hook = self._originals["commit_hook"]
-        self._module.compute_logical_maps = self._originals["compute_logical_maps"]
-        self._module._move_to_workspace = self._originals["_move_to_workspace"]
+        self._adapter.commit_hook = self._originals.pop("commit_hook")
+        for name, original in self._originals.items():
+            setattr(self._module, name, original)

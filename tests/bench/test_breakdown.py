@@ -18,6 +18,8 @@ def test_each_rank_waits_for_the_last_rank_ready_at_that_step():
 def record(step: int, ready_ms: float, step_ms: float, ours: float, upstream: float, **beside) -> dict:
     return {"step": step, "ready_ns": int(ready_ms * MS), "step_ms": step_ms, "eplb_ours_ms": ours,
             "eplb_upstream_ms": upstream, "upstream_ready_sync_ms": beside.get("sync", 0.0),
+            "upstream_install_ms": beside.get("sync", 0.0) / 2, "upstream_rearrange_ms": 0.0,
+            "upstream_commit_ms": 0.1,
             "worker_cpu_ms": beside.get("cpu", 0.0), "gil_wait_ms": beside.get("gil", 0.0),
             "gil_wait_worker_bound_ms": beside.get("gil", 0.0) / 2, "gil_wait_main_bound_ms": beside.get("gil", 0.0),
             "gil_samples": 3}

@@ -92,11 +92,18 @@ def test_step_probes_split_the_eplb_host_work_into_ours_and_upstreams(monkeypatc
     monkeypatch.setattr(eplb_state, "compute_logical_maps", lambda *args: spin(0.001))  # ours: the inversion
 
     def move_to_workspace(model_state, ep_rank):  # upstream's: install, commit (which inverts), our hook, ack
-        spin(0.003)
+        eplb_state.move_from_buffer()
+        eplb_state._commit_eplb_maps_for_layer(model_state, None, 0)
+
+    def commit_layer(model_state, new_physical_to_logical_map, layer):  # the adapter's: upstream's, then our hook
+        spin(0.001)
         eplb_state.compute_logical_maps(None, 0)
-        adapter.commit_hook(model_state, 0)
+        adapter.commit_hook(model_state, layer)
 
     monkeypatch.setattr(eplb_state, "_move_to_workspace", move_to_workspace)
+    install = lambda: spin(0.002)  # noqa: E731
+    monkeypatch.setattr(eplb_state, "move_from_buffer", install)
+    monkeypatch.setattr(eplb_state, "_commit_eplb_maps_for_layer", commit_layer)
 
     class State:
         async_worker = worker.thread
@@ -105,9 +112,13 @@ def test_step_probes_split_the_eplb_host_work_into_ours_and_upstreams(monkeypatc
             spin(0.001)
             return True
 
+        def rearrange(self):
+            spin(0.001)
+
         def step(self):
             if self._all_ranks_result_ready(None):
                 eplb_state._move_to_workspace(model_state=None, ep_rank=0)
+            self.rearrange()
 
     state = State()
     controller = SimpleNamespace(state=state, binding=SimpleNamespace(adapter=adapter))
@@ -129,14 +140,16 @@ def test_step_probes_split_the_eplb_host_work_into_ours_and_upstreams(monkeypatc
     assert record["step"] == 7 and record["ready_ns"] > 0
     assert record["eplb_ours_ms"] + record["eplb_upstream_ms"] == pytest.approx(host * 1e3)
     assert record["eplb_ours_ms"] >= 2 + 1 + 1  # hook, inversion, the controller's own
-    assert record["eplb_upstream_ms"] >= 3 + 1  # install and the ready all-reduce
-    assert record["upstream_ready_sync_ms"] >= 1
+    assert record["eplb_upstream_ms"] >= 2 + 1 + 1 + 1  # install, the rest of it, the ready all-reduce, rearrange
+    assert record["upstream_ready_sync_ms"] >= 1 and record["upstream_install_ms"] >= 2
+    assert record["upstream_rearrange_ms"] >= 1 and 1 <= record["upstream_commit_ms"] < record["eplb_upstream_ms"]
     assert record["worker_cpu_ms"] >= 0 and record["gil_samples"] >= 0
     assert record["gil_wait_worker_bound_ms"] < 0.05  # the sleeping worker can have held none of it
     assert quiet["eplb_upstream_ms"] == 0 and quiet["upstream_ready_sync_ms"] == 0
     # closed: every wrapper taken out
-    assert "step" not in vars(state) and "_all_ranks_result_ready" not in vars(state)
+    assert not {"step", "_all_ranks_result_ready", "rearrange"} & set(vars(state))
     assert adapter.commit_hook is original_hook and eplb_state._move_to_workspace is move_to_workspace
+    assert eplb_state.move_from_buffer is install and eplb_state._commit_eplb_maps_for_layer is commit_layer
 
 
 def test_step_probes_need_a_running_async_worker():
