@@ -80,27 +80,37 @@ def step_breakdown(busy: list[dict]) -> dict:
             "per_rank": [{"rank": result["rank"], **split(rows)} for result, rows in zip(busy, completed)]}
 
 
-def format_breakdown(ratios: dict) -> str:
-    """The compact table: p50 (p99) ms of each phase, rearranging / steady, per mode."""
+def breakdown_cells(ratios: dict) -> tuple[list[str], list[list[str]]]:
+    """The breakdown as a header and rows of cells: per mode, p50 (p99) ms of each phase in
+    rearranging and steady steps, and the difference of their means (what a rearranging step
+    adds, part by part). Empty where no mode has a breakdown."""
     modes = [m for m, r in ratios.items() if isinstance(r, dict) and r.get("step_breakdown")]
     if not modes:
+        return [], []
+    header = ["step breakdown, p50 (p99) ms"] + [f"{m} {col}" for m in modes for col in ("rearranging", "steady", "added (mean)")]
+    rows = []
+    for label, phase in BREAKDOWN_ROWS:
+        cells = [label]
+        for mode in modes:
+            summaries = [ratios[mode]["step_breakdown"][kind] for kind in ("rearranging", "steady")]
+            summaries = [None if s is None or phase not in s else s[phase] for s in summaries]  # a report of fewer phases
+            cells += ["n/a" if s is None else f"{s['p50']:.2f} ({s['p99']:.2f})" for s in summaries]
+            cells.append("n/a" if None in summaries else f"{summaries[0]['mean'] - summaries[1]['mean']:+.2f}")
+        rows.append(cells)
+    return header, rows
+
+
+def format_breakdown(ratios: dict) -> str:
+    """The compact text table of ``breakdown_cells``; "added": rearranging mean - steady mean."""
+    header, rows = breakdown_cells(ratios)
+    if not header:
         return ""
-    columns = [(m, kind) for m in modes for kind in ("rearranging", "steady")]
-    lines = [f"{'step breakdown, p50 (p99) ms':<28}" + "".join(f"{f'{m} {kind}':>22}" for m, kind in columns)]
-    for label, phase in _ROWS:
-        cells = []
-        for mode, kind in columns:
-            summary = ratios[mode]["step_breakdown"][kind]
-            if summary is None:
-                cells.append("n/a")
-                continue
-            value = summary[phase]
-            cells.append(f"{value['p50']:.2f} ({value['p99']:.2f})")
-        lines.append(f"{label:<28}" + "".join(f"{cell:>22}" for cell in cells))
-    return "\n".join(lines)
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return "\n".join(f"{row[0]:<{widths[0]}}" + "".join(f"  {cell:>{w}}" for cell, w in zip(row[1:], widths[1:]))
+                     for row in [header, *rows])
 
 
-_ROWS = (
+BREAKDOWN_ROWS = (  # (label, phase)
     ("step", "step_ms"),
     ("EPLB host: ours", "eplb_ours_ms"),
     ("EPLB host: upstream", "eplb_upstream_ms"),

@@ -68,5 +68,5 @@ def test_the_breakdown_table_shows_each_phase_and_n_a_where_a_kind_had_no_step()
     assert "compiled rearranging" in lines[0] and "eager steady" in lines[0]
     rows = {line[:28].strip(): line for line in lines[1:]}
     assert rows["wait for the slower rank"].split()[-1] == "n/a"
-    assert "1.50 (2.00)" in rows["worker thread CPU"]  # p50 (p99) of the compiled rearranging steps
+    assert rows["worker thread CPU"].split()[3:8] == ["1.50", "(2.00)", "0.00", "(0.00)", "+1.50"]  # compiled: p50 (p99), added
     assert format_breakdown({"compiled": {"on_idle_over_off": 1.0}}) == ""  # a bench without the probes
