@@ -9,7 +9,9 @@ GIL and the cores took from it), so that per step
 
     step_ms = eplb_ours_ms + eplb_upstream_ms + collective_wait_ms + forward_rest_ms
 
-Medians of the parts do not add up to the step's median; their means add up to its mean.
+The wait at upstream's ready all-reduce (in ``end_batch``, while a rearrangement is in
+flight) is found the same way from each rank's entry instant; it is a part of upstream's
+EPLB host work, not a fifth part. Medians of the parts do not add up to the step's median; their means add up to its mean.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from eplb_graph.bench.stats import percentile
 
 # the parts that add up to a step, then what is read beside them (not parts of the sum)
 PARTS = ("eplb_ours_ms", "eplb_upstream_ms", "collective_wait_ms", "forward_rest_ms")
-BESIDE = ("upstream_ready_sync_ms", "upstream_install_ms", "upstream_commit_ms", "upstream_rearrange_ms",
+BESIDE = ("upstream_ready_sync_ms", "upstream_ready_sync_wait_ms", "upstream_install_ms", "upstream_commit_ms", "upstream_rearrange_ms",
           "worker_cpu_ms", "gil_wait_ms", "gil_wait_worker_bound_ms", "gil_wait_main_bound_ms")
 PHASES = ("step_ms", *PARTS, *BESIDE)
 
@@ -35,15 +37,19 @@ def collective_waits(ready_ns: list[dict[int, int]]) -> list[dict[int, float]]:
 
 
 def completed_records(ranks: list[list[dict]]) -> list[list[dict]]:
-    """Each rank's step records with the wait and the forward's remainder filled in."""
+    """Each rank's step records with the waits and the forward's remainder filled in."""
     waits = collective_waits([{r["step"]: r["ready_ns"] for r in records} for records in ranks])
+    # the same at upstream's ready all-reduce, in the steps where every rank entered one
+    sync_waits = collective_waits([{r["step"]: r["ready_sync_entry_ns"] for r in records
+                                    if r.get("ready_sync_entry_ns") is not None} for records in ranks])
     completed = []
-    for records, wait in zip(ranks, waits):
+    for records, wait, sync_wait in zip(ranks, waits, sync_waits):
         rows = []
         for record in records:
             if record["step"] not in wait:
                 continue
-            row = dict(record, collective_wait_ms=wait[record["step"]])
+            row = dict(record, collective_wait_ms=wait[record["step"]],
+                       upstream_ready_sync_wait_ms=sync_wait.get(record["step"], 0.0))
             row["forward_rest_ms"] = (row["step_ms"] - row["eplb_ours_ms"] - row["eplb_upstream_ms"]
                                       - row["collective_wait_ms"])
             rows.append(row)
@@ -115,6 +121,7 @@ BREAKDOWN_ROWS = (  # (label, phase)
     ("EPLB host: ours", "eplb_ours_ms"),
     ("EPLB host: upstream", "eplb_upstream_ms"),
     ("  its ready all-reduce", "upstream_ready_sync_ms"),
+    ("    of it, the slower rank", "upstream_ready_sync_wait_ms"),
     ("  its weight install", "upstream_install_ms"),
     ("  its map commit", "upstream_commit_ms"),
     ("  its rearrange()", "upstream_rearrange_ms"),

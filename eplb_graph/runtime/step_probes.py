@@ -13,7 +13,8 @@
   copies ``_commit_eplb_maps_for_layer`` less our parts in it: ``upstream_commit_ms``,
   ``rearrange``: ``upstream_rearrange_ms``), of which ``upstream_ready_sync_ms`` is
   its ready all-reduce ``_all_ranks_result_ready``, a collective over the EP CPU group, so
-  it includes waiting there for the slower rank.
+  it includes waiting there for the slower rank; its entry instant (``ready_sync_entry_ns``,
+  CLOCK_MONOTONIC as below) lets the bench tell that wait from the all-reduce's own time.
   Measured with ``time.perf_counter_ns`` around instance-level wrappers (upstream's code
   itself is not changed); only main-thread calls count.
 * ``ready_ns``: ``CLOCK_MONOTONIC`` when the rank is ready to enter the step. On one host
@@ -194,6 +195,16 @@ class StepProbes:
         # instance attributes shadow EplbState's methods: the controller and step() look them up there
         for name, phase in _STATE_METHODS.items():
             setattr(state, name, self.clock.wrap(phase, getattr(state, name)))
+        timed_ready = state._all_ranks_result_ready
+        self._sync_entry_ns: int | None = None
+
+        def all_ranks_result_ready(model_state):
+            if self._sync_entry_ns is None and threading.get_ident() == self._main:
+                self._sync_entry_ns = monotonic_ns()  # this rank at upstream's ready all-reduce
+            return timed_ready(model_state)
+
+        self._main = threading.get_ident()
+        state._all_ranks_result_ready = all_ranks_result_ready
         hook = self.clock.wrap("ours_commit_hook", self._originals["commit_hook"])
         self._hook_end: int | None = None
 
@@ -219,6 +230,7 @@ class StepProbes:
 
     def begin_step(self) -> None:
         self.clock.take()  # what ran between steps is no step's
+        self._sync_entry_ns = None
         self._start = (time.clock_gettime_ns(self._worker_clock), monotonic_ns())
 
     def end_step(self, step: int, seconds: float, eplb_host_s: float) -> dict:
@@ -232,6 +244,7 @@ class StepProbes:
         return {
             "step": step,
             "ready_ns": self._start[1],
+            "ready_sync_entry_ns": self._sync_entry_ns,  # None: no ready all-reduce in this step
             "step_ms": seconds * 1e3,
             "eplb_ours_ms": eplb_host_s * 1e3 - in_step + ours_inside,
             "eplb_upstream_ms": in_step - ours_inside,

@@ -16,7 +16,8 @@ def test_each_rank_waits_for_the_last_rank_ready_at_that_step():
 
 
 def record(step: int, ready_ms: float, step_ms: float, ours: float, upstream: float, **beside) -> dict:
-    return {"step": step, "ready_ns": int(ready_ms * MS), "step_ms": step_ms, "eplb_ours_ms": ours,
+    sync = beside.get("sync_at")
+    return {"step": step, "ready_ns": int(ready_ms * MS), "ready_sync_entry_ns": None if sync is None else int(sync * MS), "step_ms": step_ms, "eplb_ours_ms": ours,
             "eplb_upstream_ms": upstream, "upstream_ready_sync_ms": beside.get("sync", 0.0),
             "upstream_install_ms": beside.get("sync", 0.0) / 2, "upstream_rearrange_ms": 0.0,
             "upstream_commit_ms": 0.1,
@@ -26,10 +27,13 @@ def record(step: int, ready_ms: float, step_ms: float, ours: float, upstream: fl
 
 
 def test_the_parts_add_up_to_each_step():
-    ranks = [[record(0, 0.0, 5.0, 0.5, 1.0), record(1, 10.0, 4.0, 0.1, 0.1)],
-             [record(0, 1.5, 4.0, 0.5, 1.0), record(1, 10.0, 4.0, 0.1, 0.1)]]
+    ranks = [[record(0, 0.0, 5.0, 0.5, 1.0, sync_at=4.0), record(1, 10.0, 4.0, 0.1, 0.1, sync_at=13.0)],
+             [record(0, 1.5, 4.0, 0.5, 1.0, sync_at=4.5), record(1, 10.0, 4.0, 0.1, 0.1)]]
     completed = completed_records(ranks)
     assert [row["collective_wait_ms"] for row in completed[0]] == [1.5, 0.0]
+    # at upstream's ready all-reduce: rank 0 came 0.5 ms early in step 0; step 1 had it on one rank only
+    assert [row["upstream_ready_sync_wait_ms"] for row in completed[0]] == [0.5, 0.0]
+    assert [row["upstream_ready_sync_wait_ms"] for row in completed[1]] == [0.0, 0.0]
     assert completed[0][0]["forward_rest_ms"] == pytest.approx(5.0 - 0.5 - 1.0 - 1.5)
     for rows in completed:
         for row in rows:

@@ -132,12 +132,15 @@ def test_step_probes_split_the_eplb_host_work_into_ours_and_upstreams(monkeypatc
         host = time.perf_counter() - start
         record = probes.end_step(7, seconds=host + 0.005, eplb_host_s=host)
         probes.begin_step()
-        threading.Thread(target=state.step).start()  # the worker's calls are not the step's
+        other = threading.Thread(target=state.step)  # the worker's calls are not the step's
+        other.start()
+        other.join()
         quiet = probes.end_step(8, seconds=0.001, eplb_host_s=0.0)
     finally:
         probes.close()
         worker.close()
-    assert record["step"] == 7 and record["ready_ns"] > 0
+    assert record["step"] == 7 and 0 < record["ready_ns"] < record["ready_sync_entry_ns"]
+    assert quiet["ready_sync_entry_ns"] is None  # no ready all-reduce on the main thread in that step
     assert record["eplb_ours_ms"] + record["eplb_upstream_ms"] == pytest.approx(host * 1e3)
     assert record["eplb_ours_ms"] >= 2 + 1 + 1  # hook, inversion, the controller's own
     assert record["eplb_upstream_ms"] >= 2 + 1 + 1 + 1  # install, the rest of it, the ready all-reduce, rearrange
