@@ -195,15 +195,14 @@ class StepProbes:
         # instance attributes shadow EplbState's methods: the controller and step() look them up there
         for name, phase in _STATE_METHODS.items():
             setattr(state, name, self.clock.wrap(phase, getattr(state, name)))
-        timed_ready = state._all_ranks_result_ready
+        timed_ready, main = state._all_ranks_result_ready, threading.get_ident()
         self._sync_entry_ns: int | None = None
 
         def all_ranks_result_ready(model_state):
-            if self._sync_entry_ns is None and threading.get_ident() == self._main:
+            if self._sync_entry_ns is None and threading.get_ident() == main:
                 self._sync_entry_ns = monotonic_ns()  # this rank at upstream's ready all-reduce
             return timed_ready(model_state)
 
-        self._main = threading.get_ident()
         state._all_ranks_result_ready = all_ranks_result_ready
         hook = self.clock.wrap("ours_commit_hook", self._originals["commit_hook"])
         self._hook_end: int | None = None
