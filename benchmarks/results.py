@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from eplb_graph.bench.breakdown import breakdown_cells
+
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "benchmarks" / "results"
 RESULTS_MD = ROOT / "benchmarks" / "RESULTS.md"
@@ -94,7 +96,9 @@ def render_bench(r: dict) -> str:
             f"per rank, CPU routing kernel {r.get('cpu_layer_kernel')}, intra-op threads {r.get('intra_op_threads')}"
             + (", Inductor's C++ wrapper" if r.get("cpp_wrapper") else ""))
     failed = "".join(f"\n\nFAILED: {problem}" for problem in r.get("failed_checks", []))
-    return f"{meta}\n\n{steps}\n\n{table(['ratio', *modes], ratio_rows)}{failed}"
+    header, breakdown = breakdown_cells(r["ratios"])
+    breakdown_table = f"\n\n{table(header, breakdown)}\n\n{r.get('step_breakdown_note', '')}" if header else ""
+    return f"{meta}\n\n{steps}\n\n{table(['ratio', *modes], ratio_rows)}{breakdown_table}{failed}"
 
 
 def render_routing_ops(r: dict) -> str:
@@ -187,11 +191,14 @@ TITLES = {
 
 
 def load_record(folder: Path) -> dict:
-    record = {"meta": json.loads((folder / "meta.json").read_text())}
+    record = {"meta": json.loads((folder / "meta.json").read_text()), "notes": {}}
     for name, relative in FILES.items():
         path = folder / relative
         if path.exists():
             record[name] = json.loads(path.read_text())
+        note = folder / "notes" / f"{name}.md"  # a reading of that run, written beside its JSON
+        if note.exists():
+            record["notes"][name] = note.read_text().strip()
     return record
 
 
@@ -199,6 +206,15 @@ def records() -> list[tuple[str, dict]]:
     """Every record, newest first."""
     folders = sorted((p for p in RECORDS.iterdir() if (p / "meta.json").exists()), reverse=True) if RECORDS.exists() else []
     return [(folder.name, load_record(folder)) for folder in folders]
+
+
+def added_by_rearranging(ratios: dict) -> dict | None:
+    """Per phase, the rearranging steps' mean less the steady steps' (ms), from a mode's breakdown."""
+    breakdown = ratios.get("step_breakdown") or {}
+    rearranging, steady = breakdown.get("rearranging"), breakdown.get("steady")
+    if not rearranging or not steady:
+        return None
+    return {phase: round(rearranging[phase]["mean"] - steady[phase]["mean"], 2) for phase in rearranging if phase != "steps"}
 
 
 def headline(record: dict) -> str:
@@ -219,6 +235,14 @@ def headline(record: dict) -> str:
                      "<= 1.15", "`eplb-graph bench`"])
         rows.append(["graph (compiled) speedup over eager, decode", f"{bench['ratios'].get('graph_speedup_over_eager_decode')}x",
                      "> 1", "`eplb-graph bench`"])
+        added = added_by_rearranging(compiled)
+        if added:
+            rows.append(["compiled: what a rearranging step adds over a steady one, mean ms: EPLB ours / upstream "
+                         "(of it its ready all-reduce + rearrange()) / wait for the slower rank / forward; the worker's CPU",
+                         f"{added['eplb_ours_ms']} / {added['eplb_upstream_ms']} "
+                         f"({added['upstream_ready_sync_ms'] + added['upstream_rearrange_ms']:.2f}) / "
+                         f"{added['collective_wait_ms']} / {added['forward_rest_ms']}; {added['worker_cpu_ms']}",
+                         "-", "`eplb-graph bench`"])
     if plane:
         compiled = plane["ratios"].get("compiled", {})
         rows.append(["routing op alone: compiled EPLB on / off, one process (A/A)",
@@ -264,7 +288,10 @@ def render_results_md() -> str:
         parts.append(f"## {date}: {meta['machine']}, torch {meta['torch']}, vLLM {meta['vllm']}, commit {meta['commit']}\n")
         for name in FILES:
             if name in record:
-                parts.append(f"### {TITLES[name]}\n\n{RENDERERS[name](record[name])}\n")
+                commit = meta.get("commits", {}).get(name)
+                at = f" (recorded later, at commit {commit})" if commit else ""
+                note = f"\n\n{record['notes'][name]}" if name in record["notes"] else ""
+                parts.append(f"### {TITLES[name]}{at}\n\n{RENDERERS[name](record[name])}{note}\n")
     return "\n".join(parts)
 
 
@@ -301,7 +328,15 @@ def record_run(out: Path) -> Path:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     meta = {"date": date, "machine": f"{os.cpu_count()} cores, {platform.machine()}, {platform.processor() or 'cpu'}",
             "torch": torch.__version__, "vllm": vllm_version, "commit": commit or "unknown"}
-    (folder / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    meta_path = folder / "meta.json"
+    if meta_path.exists():
+        # a later run into a day's record: what it did not replace keeps its commit, what it did says its own
+        kept = json.loads(meta_path.read_text())
+        others = [name for name, rel in FILES.items() if name not in present and (folder / rel).exists()]
+        if others and kept.get("commit") != meta["commit"]:
+            kept.setdefault("commits", {}).update({name: meta["commit"] for name in present})
+            meta = kept
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     return folder
 
 

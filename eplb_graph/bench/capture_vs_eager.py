@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from eplb_graph.bench.breakdown import step_breakdown
 from eplb_graph.bench.harness import paired_models, paired_times, prepare_models, rotating_steps
 from eplb_graph.bench.stats import check_bench_steps, idle_ratios, over_median, percentile
 from eplb_graph.custom_ops import CPU_LAYER_KERNEL
@@ -34,6 +35,12 @@ from eplb_graph.runtime.rank import run_rank_and_shut_down
 from eplb_graph.runtime.report import cuda_kernel
 from eplb_graph.runtime.stack import build_rank_models, build_rank_stack
 from eplb_graph.runtime.step import rank_device
+
+
+BREAKDOWN_NOTE = ("ratios.<mode>.step_breakdown: the on_rearranging run's decode steps, every rank's, with "
+                  "eplb_graph.runtime.step_probes in them (steady and rearranging steps alike; the off / on_idle "
+                  "run has no probes); step_ms = eplb_ours_ms + eplb_upstream_ms + collective_wait_ms + "
+                  "forward_rest_ms per step (means add up, medians need not)")
 
 
 def bench_modes(requested: str, device: str) -> tuple[str, ...]:
@@ -164,6 +171,8 @@ def mode_ratios(paired: list[dict], busy: list[dict]) -> dict:
         "steady_p50_ms": round(statistics.median(steady), 3) if steady else None,
         "rearranging_eplb_host_p50_ms": round(statistics.median(rearranging_host), 3) if rearranging_host else None,
         "rearranging_eplb_host_p99_ms": round(percentile(rearranging_host, 99), 3) if rearranging_host else None,
+        # where the time goes, per phase and rank (bench.breakdown); the probes ran in this run only
+        "step_breakdown": step_breakdown(busy),
     }
 
 
@@ -181,7 +190,7 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
         paired = run_ranks(idle_vs_off_rank, base.ranks, dataclasses.replace(base, **common), timeout_s=timeout_s)
         log(f"bench {mode}: on_rearranging, a rearrangement every {base.step_interval} steps ... "
             f"({time.monotonic() - start:.0f} s so far)")
-        busy_cfg = dataclasses.replace(base, eplb=True, **common)
+        busy_cfg = dataclasses.replace(base, eplb=True, step_breakdown=True, **common)
         busy = run_ranks(run_rank_and_shut_down, base.ranks, busy_cfg, timeout_s=timeout_s)
         intra_op_threads = [r["intra_op_threads"] for r in busy]  # every run's ranks follow the same rule
         log(f"bench {mode}: done in {time.monotonic() - start:.0f} s")
@@ -206,4 +215,5 @@ def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900
         "results": results,
         "ratios": ratios,
         "targets": {"on_idle_over_off": 1.05, "rearranging_p99_over_steady_p50": 1.15},
+        "step_breakdown_note": BREAKDOWN_NOTE,
     }

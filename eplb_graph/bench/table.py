@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eplb_graph.bench.breakdown import format_breakdown
+
 
 def format_table(report: dict) -> str:
     lines = [f"{'mode':<9} {'eplb':<15} {'p50 ms':>8} {'p99 ms':>8} {'tok/s':>9} {'compile s':>9} {'recomp':>6} {'recapt':>6}"]
@@ -37,6 +39,9 @@ def format_table(report: dict) -> str:
         lines.append(f"{'graph speedup over eager at decode (p50)':<42}{speedup:>24.3f}")
     if report.get("cpp_wrapper"):
         lines.append("compiled with Inductor's C++ wrapper (--cpp-wrapper)")
+    breakdown = format_breakdown(report["ratios"])
+    if breakdown:
+        lines.extend(["", breakdown])
     if report.get("intra_op_threads"):
         lines.append(f"torch intra-op threads per rank: {', '.join(map(str, report['intra_op_threads']))}")
     return "\n".join(lines)

@@ -53,6 +53,7 @@ class RunConfig:
     cpp_wrapper: bool = False  # compiled / graph mode on CPU: Inductor's wrapper in C++ (see inductor_with_cpp_wrapper)
     progress: bool = False  # rank 0 shows a progress bar and one line per window
     collect_load_stats: bool = True  # all-reduce the load each step for balancedness (off in bench)
+    step_breakdown: bool = False  # per-step probes of where the time goes (runtime/step_probes.py; bench)
     policy_process: bool = False  # upstream's policy in a helper process per rank (off the GIL)
     threads: int | None = None  # torch intra-op threads per rank; None: see rank_threads
     stall_steps: int = 1000  # a rearrangement with no layer committed for longer is a stall (watchdog)

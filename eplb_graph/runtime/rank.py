@@ -27,6 +27,7 @@ from eplb_graph.runtime.launch import Heartbeat
 from eplb_graph.runtime.report import balancedness
 from eplb_graph.runtime.stack import RankStack, build_rank_stack
 from eplb_graph.runtime.step import TimedStep, check_output, rank_device, timed_step
+from eplb_graph.runtime.step_probes import StepProbes
 from eplb_graph.runtime.workload import Batch, make_batch
 
 
@@ -40,6 +41,7 @@ class RankResult:
     rank_load: list[list[list[int]]] = field(default_factory=list)  # per step: [layers][ranks], all ranks' tokens
     logical_load: list[list[list[int]]] = field(default_factory=list)  # per step: [layers][logical experts]
     rearrangement_finished_steps: list[int] = field(default_factory=list)
+    breakdown: list[dict] = field(default_factory=list)  # cfg.step_breakdown: StepProbes' record per timed step
     layers_committed: int = 0
     rearrangements_started: int = 0
     rearrangements_finished: int = 0
@@ -89,6 +91,8 @@ class RankRun:
         self.device = rank_device(self.cfg)
         self.seen_sizes: set[int] = set()
         self.graphs_after_warmup: int | None = None
+        # after the controller started upstream's worker; the first (compiling) step is not recorded
+        self.probes = StepProbes(stack.controller) if self.cfg.step_breakdown and stack.controller is not None else None
         self.progress = None
         if self.cfg.progress and stack.rank == 0:
             from tqdm import tqdm
@@ -106,13 +110,16 @@ class RankRun:
         busy = controller is not None and controller.rebalancing
         finished_before = controller.stats.rearrangements_finished if controller is not None else 0
         record = self._record_loads if self.cfg.eplb and self.cfg.collect_load_stats else None
+        if self.probes is not None:
+            self.probes.begin_step()
         timed = timed_step(self.forward, batch, self.device, controller, record,
                            self.captured.check_addresses if self.captured is not None else None)
+        probed = self.probes.end_step(step, timed.seconds, timed.eplb_host_s) if self.probes is not None else None
         if controller is not None:
             busy = busy or controller.rebalancing  # the step that starts a rearrangement pays for it
             if controller.stats.rearrangements_finished > finished_before:
                 self.result.rearrangement_finished_steps.append(step)
-        self._account(batch, timed, busy)
+        self._account(batch, timed, busy, probed)
         if self.heartbeat is not None:
             self.heartbeat.beat()
         if self.progress is not None:
@@ -120,7 +127,7 @@ class RankRun:
         if self.cfg.check_outputs:
             self._check(step, batch, timed.out, busy)
 
-    def _account(self, batch: Batch, timed: TimedStep, busy: bool) -> None:
+    def _account(self, batch: Batch, timed: TimedStep, busy: bool, probed: dict | None = None) -> None:
         result, size = self.result, batch.tokens.shape[1]
         if size not in self.seen_sizes:  # first forward of a capture size: compile, not a step
             self.seen_sizes.add(size)
@@ -132,6 +139,8 @@ class RankRun:
             result.eplb_host_ms.append(timed.eplb_host_s * 1e3)
             result.kinds.append(batch.kind)
             result.rebalancing.append(busy)
+            if probed is not None:
+                result.breakdown.append(probed)
         result.tokens += batch.num_tokens
 
     def _record_loads(self) -> None:
@@ -171,6 +180,8 @@ class RankRun:
             result.recaptures = self.captured.stats.recaptures
         if self.progress is not None:
             self.progress.close()
+        if self.probes is not None:
+            self.probes.close()  # before the stack closes: its wrappers sit on the controller's upstream state
         result.verifier_ok = all(r.report is None or r.report.ok for r in self.records)
         result.routers_mapped = min((r.result.routers_mapped for r in self.records), default=0)
         controller = self.stack.controller

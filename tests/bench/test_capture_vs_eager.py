@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from eplb_graph.bench.breakdown import PARTS, PHASES
 from eplb_graph.runtime.cli import main
 
 
@@ -39,6 +40,17 @@ def test_bench_reports_every_mode_and_setting(capsys, tmp_path):
         # the floor the rearranging ratio is read against: the steady steps' own tail
         assert ratios["steady_p99_over_steady_p50"] >= 1 and ratios["rearranging_p50_over_steady_p50"] > 0
         assert ratios["rearranging_p99_over_steady_p50"] >= ratios["rearranging_p50_over_steady_p50"]
+        breakdown = ratios["step_breakdown"]  # where the time goes: every rank's probed decode steps
+        assert breakdown["rearranging"]["steps"] == ratios["rearranging_decode_steps"]
+        assert breakdown["steady"]["steps"] == ratios["steady_decode_steps"]
+        for summary in (breakdown["rearranging"], breakdown["steady"], *(r["rearranging"] for r in breakdown["per_rank"])):
+            assert set(summary) == {"steps", *PHASES}
+            assert sum(summary[part]["mean"] for part in PARTS) == pytest.approx(summary["step_ms"]["mean"], abs=0.01)
+            assert 0 <= summary["eplb_ours_ms"]["p50"] and summary["eplb_upstream_ms"]["p50"] <= summary["step_ms"]["p99"]
+        assert breakdown["rearranging"]["step_ms"]["p50"] == rearranging["p50_ms"]  # the same steps
+        assert breakdown["rearranging"]["worker_cpu_ms"]["p99"] > 0  # the worker moved experts in those steps
+        assert [r["rank"] for r in breakdown["per_rank"]] == [0, 1]
+    assert "eplb_graph.runtime.step_probes" in report["step_breakdown_note"]
     assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.png").exists()
 
 

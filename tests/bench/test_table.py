@@ -23,3 +23,17 @@ def test_bench_table_shows_each_ratio_beside_its_target_and_yardstick():
     assert row["rearranging p99 / steady p50"].endswith("4.493  <= 1.15 (missed, missed)")
     assert row["rearranging p50 / steady p50"].endswith("n/a")
     assert lines[-1].startswith("graph speedup over eager") and lines[-1].endswith("2.900")
+
+
+def test_bench_table_ends_with_the_step_breakdown_where_the_bench_probed_its_steps():
+    from eplb_graph.bench.breakdown import PHASES
+    from eplb_graph.bench.table import format_table
+
+    phase = {"p50": 1.0, "p99": 2.0, "mean": 1.2}
+    summary = {"steps": 4, **{name: phase for name in PHASES}}
+    report = {"results": [], "ratios": {"compiled": {"step_breakdown": {"rearranging": summary, "steady": summary}}}}
+    lines = format_table(report).splitlines()
+    assert any(line.startswith("step breakdown, p50 (p99) ms") for line in lines)
+    # p50 (p99) in rearranging and steady steps, then what a rearranging step adds (mean - mean)
+    assert any(line.startswith("worker thread CPU") and line.split()[-5:] == ["1.00", "(2.00)", "1.00", "(2.00)", "+0.00"]
+               for line in lines)

@@ -42,3 +42,25 @@ def test_record_keeps_what_make_bench_wrote_with_its_meta(tmp_path, monkeypatch)
     kept = results.load_record(folder)
     assert kept["run"] == newest["run"] and "routing_ops" in kept and "bench" not in kept
     assert {"date", "machine", "torch", "vllm", "commit"} <= set(kept["meta"])
+
+
+def test_a_later_partial_record_keeps_the_days_commit_names_its_own_and_shows_its_note(tmp_path, monkeypatch):
+    import time
+
+    newest = results.records()[0][1]
+    day = tmp_path / "records" / time.strftime("%Y-%m-%d")
+    (day / "run").mkdir(parents=True)
+    (day / "run" / "report.json").write_text(json.dumps(newest["run"]))
+    (day / "meta.json").write_text(json.dumps({**newest["meta"], "commit": "0000000"}))
+    out = tmp_path / "out"
+    (out / "bench").mkdir(parents=True)
+    (out / "bench" / "bench.json").write_text(json.dumps(newest["bench"]))
+    monkeypatch.setattr(results, "RECORDS", tmp_path / "records")
+    kept = results.load_record(results.record_run(out))
+    # the run's report was measured at the day's commit; only the bench says it came later
+    assert kept["meta"]["commit"] == "0000000" and set(kept["meta"]["commits"]) == {"bench"}
+    (day / "notes").mkdir()
+    (day / "notes" / "bench.md").write_text("What the breakdown shows.\n")
+    text = results.render_results_md()
+    assert f"{results.TITLES['bench']} (recorded later, at commit {kept['meta']['commits']['bench']})" in text
+    assert "What the breakdown shows." in text and "(recorded later" not in text.split(results.TITLES["run"])[1][:5]
