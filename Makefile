@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_injected_work.py --out $(BENCH)/bench_injected_work.json
 	$(VENV)/bin/eplb-graph run --scale-plan 2,4,2 --out $(BENCH)/elastic
 	$(VENV)/bin/eplb-graph run --scale-plan 2,4,4 --kill 3@150 --out $(BENCH)/elastic_fault
+	$(VENV)/bin/eplb-graph run --scale-plan 2,4,4 --kill 0@150 --out $(BENCH)/elastic_fault_rank0
 
 # vLLM's control plane for the lent GPU image (no vLLM there): benchmarks/gpu_carry.py
 gpu-carry: $(STAMP)

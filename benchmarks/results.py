@@ -44,6 +44,7 @@ FILES = {
     "injected_work": "bench_injected_work.json",
     "elastic": "elastic/report.json",
     "elastic_fault": "elastic_fault/report.json",
+    "elastic_fault_rank0": "elastic_fault_rank0/report.json",
     "gpu": "gpu_bench.json",
 }
 
@@ -168,7 +169,7 @@ RENDERERS = {"run": render_run, "bench": render_bench, "data_plane": render_benc
              "routing_ops": render_routing_ops, "op_in_step": render_op_in_step, "commit": render_commit,
              "transfer_planning": render_transfer_planning, "policy_stall": render_policy_stall,
              "movement": render_movement, "injected_work": render_injected_work, "elastic": render_elastic,
-             "elastic_fault": render_elastic, "gpu": render_gpu}
+             "elastic_fault": render_elastic, "elastic_fault_rank0": render_elastic, "gpu": render_gpu}
 TITLES = {
     "run": "`make run` (`eplb-graph run`: 2 ranks, compiled, live EPLB, outputs checked every step)",
     "bench": "`eplb-graph bench` (capture vs eager, EPLB off / on_idle / on_rearranging)",
@@ -183,6 +184,7 @@ TITLES = {
     "injected_work": "`bench_injected_work.py` (what host work after each router costs a multi-rank step)",
     "elastic": "`eplb-graph run --scale-plan 2,4,2` (elastic EP: resized while serving, compiled)",
     "elastic_fault": "`eplb-graph run --scale-plan 2,4,4 --kill 3@150` (a member SIGKILLed, then replaced)",
+    "elastic_fault_rank0": "`eplb-graph run --scale-plan 2,4,4 --kill 0@150` (rank 0 SIGKILLed: the next survivor takes its place)",
     "gpu": "`gpu_bench.py` on a lent GPU",
 }
 
@@ -256,7 +258,7 @@ def headline(record: dict) -> str:
         largest = commit["results"][-1]
         rows.append([f"layer commit, {largest['num_logical']} + {largest['num_redundant']} experts: upstream / ours ms",
                      f"{largest['commit_upstream_p50_ms']} / {largest['commit_adapter_p50_ms']}", "-", "`bench_commit.py`"])
-    elastic, fault = record.get("elastic"), record.get("elastic_fault")
+    elastic = record.get("elastic")
     if elastic:
         worst = max(elastic["resizes"], key=lambda x: x["reconfiguration_seconds"] or 0.0)
         rows.append(["elastic resize 2 -> 4 -> 2: request to serving at the new size, s (longest pause)",
@@ -265,12 +267,13 @@ def headline(record: dict) -> str:
         rows.append(["elastic: recompiles / lost / duplicated / mismatches",
                      f"{elastic['recompiles']} / {elastic['requests_lost']} / {elastic['requests_duplicated']} / "
                      f"{elastic['output_mismatches']}", "0 / 0 / 0 / 0", "`eplb-graph run --scale-plan 2,4,2`"])
-    if fault:
-        recovery = next((x for x in fault["resizes"] if x["kind"] == "recovery"), None)
+    for key, who, kill in (("elastic_fault", "a member", "3@150"), ("elastic_fault_rank0", "rank 0", "0@150")):
+        fault = record.get(key)
+        recovery = next((x for x in fault["resizes"] if x["kind"] == "recovery"), None) if fault else None
         if recovery:
-            rows.append(["a member killed (1 of 4): death to serving again, s / lost / mismatches",
+            rows.append([f"{who} killed (1 of 4): death to serving again, s / lost / mismatches",
                          f"{recovery['reconfiguration_seconds']} / {fault['requests_lost']} / {fault['output_mismatches']}",
-                         "<= 5 / 0 / 0", "`eplb-graph run --scale-plan 2,4,4 --kill 3@150`"])
+                         "<= 5 / 0 / 0", f"`eplb-graph run --scale-plan 2,4,4 --kill {kill}`"])
     gpu = record.get("gpu")
     rows.append(["GPU (CUDA graphs, Triton kernel)", "not measured yet: no GPU has been lent" if gpu is None
                  else f"{sum(e['status'] == 'ok' for e in gpu['stages'].values())} of {len(gpu['stages'])} stages ok",
