@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from eplb_graph.bench.breakdown import step_breakdown
 from eplb_graph.bench.harness import paired_models, paired_times, prepare_models, rotating_steps
-from eplb_graph.bench.stats import check_bench_steps, idle_ratios, over_median, percentile
+from eplb_graph.bench.stats import check_bench_steps, idle_ratios, over_median, percentile, rearrangement_lengths
 from eplb_graph.custom_ops import CPU_LAYER_KERNEL
 from eplb_graph.runtime.compile import unique_graphs
 from eplb_graph.runtime.config import MODES, RunConfig
@@ -167,6 +167,8 @@ def mode_ratios(paired: list[dict], busy: list[dict]) -> dict:
         "steady_p99_over_steady_p50": over_median(steady, steady, 99),
         "rearranging_p50_over_steady_p50": over_median(rearranging, steady),
         "rearranging_decode_steps": len(rearranging),
+        # how many steps (prefill and decode) each finished rearrangement took, over every rank
+        "steps_per_rearrangement": _length_summary([n for r in busy for n in rearrangement_lengths(r["rebalancing"])]),
         "steady_decode_steps": len(steady),
         "steady_p50_ms": round(statistics.median(steady), 3) if steady else None,
         "rearranging_eplb_host_p50_ms": round(statistics.median(rearranging_host), 3) if rearranging_host else None,
@@ -174,6 +176,12 @@ def mode_ratios(paired: list[dict], busy: list[dict]) -> dict:
         # where the time goes, per phase and rank (bench.breakdown); the probes ran in this run only
         "step_breakdown": step_breakdown(busy),
     }
+
+
+def _length_summary(lengths: list[int]) -> dict | None:
+    if not lengths:
+        return None
+    return {"rearrangements": len(lengths), "mean": round(statistics.mean(lengths), 2), "max": max(lengths)}
 
 
 def run_bench(base: RunConfig, modes: tuple[str, ...], *, timeout_s: float = 900,

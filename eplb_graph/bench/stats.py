@@ -19,6 +19,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
+def rearrangement_lengths(rebalancing: list[bool]) -> list[int]:
+    """Steps each finished rearrangement was in flight, from a rank's per-step flags: every run
+    of True followed by a False (one still in flight at the end is not counted)."""
+    lengths, run = [], 0
+    for busy in rebalancing:
+        if busy:
+            run += 1
+        elif run:
+            lengths.append(run)
+            run = 0
+    return lengths
+
+
 def over_median(numerator: list[float], denominator: list[float], q: float = 50) -> float | None:
     """The numerator steps' q-th percentile (their median at 50) over the denominator steps'
     median, to 3 places; None where either has no step."""

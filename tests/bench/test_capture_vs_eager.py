@@ -37,6 +37,8 @@ def test_bench_reports_every_mode_and_setting(capsys, tmp_path):
         assert 0 < ratios["rearranging_eplb_host_p50_ms"] <= ratios["rearranging_eplb_host_p99_ms"] <= rearranging["p99_ms"]
         assert rearranging["recaptures"] is None  # nothing is captured on the host
         assert ratios["rearranging_decode_steps"] > 0 and ratios["steady_decode_steps"] > 0
+        lengths = ratios["steps_per_rearrangement"]  # every rank's finished rearrangements, one layer per step
+        assert lengths["rearrangements"] >= 2 and 1 <= lengths["mean"] <= lengths["max"]
         # the floor the rearranging ratio is read against: the steady steps' own tail
         assert ratios["steady_p99_over_steady_p50"] >= 1 and ratios["rearranging_p50_over_steady_p50"] > 0
         assert ratios["rearranging_p99_over_steady_p50"] >= ratios["rearranging_p50_over_steady_p50"]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eplb_graph.bench.stats import over_median
+from eplb_graph.bench.stats import over_median, rearrangement_lengths
 
 
 def test_paired_ratio_interval_brackets_the_true_ratio():
@@ -27,3 +27,9 @@ def test_over_median_is_none_without_steps_on_either_side():
     assert over_median(busy, steady) == 2.0  # median 5 over median 2.5
     assert over_median(busy, steady, 99) == 3.6  # the slowest busy step, 9, over 2.5
     assert over_median([], steady) is None and over_median(busy, []) is None
+
+
+def test_a_rearrangement_is_as_long_as_its_run_of_busy_steps_and_an_unfinished_one_does_not_count():
+    flags = [False, True, True, True, False, False, True, False, True, True]
+    assert rearrangement_lengths(flags) == [3, 1]
+    assert rearrangement_lengths([False, False]) == []

@@ -51,7 +51,8 @@ def test_a_later_partial_record_keeps_the_days_commit_names_its_own_and_shows_it
     day = tmp_path / "records" / time.strftime("%Y-%m-%d")
     (day / "run").mkdir(parents=True)
     (day / "run" / "report.json").write_text(json.dumps(newest["run"]))
-    (day / "meta.json").write_text(json.dumps({**newest["meta"], "commit": "0000000"}))
+    day_meta = {key: value for key, value in newest["meta"].items() if key != "commits"}  # a whole-day record
+    (day / "meta.json").write_text(json.dumps({**day_meta, "commit": "0000000"}))
     out = tmp_path / "out"
     (out / "bench").mkdir(parents=True)
     (out / "bench" / "bench.json").write_text(json.dumps(newest["bench"]))
