@@ -241,7 +241,8 @@ class ElasticServer:
                 for member in lost:  # its requests are re-queued once the survivors switched
                     self.stats.recoveries += run.recover_without(member)
                 if run.failures:  # a loss the group cannot recover from: every call says so from now on
-                    raise RuntimeError(f"the EP group cannot keep serving: {run.failures}")
+                    raise RuntimeError(f"the EP group cannot keep serving: {run.failures}"
+                                       + "".join(f"; member {m} had failed: {why}" for m, why in self.failed_members.items()))
                 request = run.requests[-1] if run.requests else None
                 if request is not None and request.outcome == "pending":
                     request.outcome = run.outcome(request)

@@ -74,25 +74,10 @@ def test_a_member_killed_under_traffic_loses_no_request_and_is_replaced():
             prompt = [rng.randrange(256) for _ in range(rng.randrange(1, 8))]
             results.append(server.generate(prompt, rng.randrange(1, 8), timeout_s=120))
 
-    def scale_in_background(size, **kwargs):
-        outcome = []
-        thread = threading.Thread(target=lambda: outcome.append(_scale_outcome(server, size, **kwargs)))
-        thread.start()
-        return thread, outcome
-
     clients = [threading.Thread(target=client, args=(seed,)) for seed in range(3)]
     try:
         for thread in clients:
             thread.start()
-        # a joiner killed mid-resize (held by its drain): the resize is given up, the group serves on at 2
-        long_one = server.submit([1], 15)
-        scaling, outcome = scale_in_background(4, drain_timeout=60)
-        wait_until(lambda: server.coordinator.requests and server.coordinator.requests[-1].outcome == "pending")
-        joiner = server.coordinator.requests[-1].members[-1]
-        server.coordinator.processes[joiner].kill()
-        scaling.join(120)
-        assert outcome == [500] and server.ranks == 2
-        assert server.result(long_one)["matches_reference"]
         assert server.scale(4) == "Scaled to 4 data parallel engines"
         # rank 0, at once: the joiners may still be taking their experts over the new group
         server.coordinator.processes[0].kill()
@@ -107,15 +92,7 @@ def test_a_member_killed_under_traffic_loses_no_request_and_is_replaced():
         server.shutdown()
     assert results and all(r["matches_reference"] for r in results)
     assert server.stats.recoveries == 1 and server.stats.reconfigurations == 3
-    assert server.stats.requests_submitted == len(results) + 2  # every one came back, once
-
-
-def _scale_outcome(server, size, **kwargs):
-    try:
-        server.scale(size, **kwargs)
-        return 200
-    except ScaleError as error:
-        return error.status
+    assert server.stats.requests_submitted == len(results) + 1  # every one came back, once
 
 
 def wait_until(condition, timeout_s=120.0):
