@@ -2,7 +2,8 @@
 
 Each subcommand's flags and its handler sit side by side, so `--help` and the code agree;
 each handler only builds a config and calls its runtime module (``rank``, ``bench``; the
-elastic flags and handlers are ``elastic_cli``'s)."""
+elastic flags and handlers are ``elastic_cli``'s). Longer than one reading because run's and
+bench's output lines and the shared runtime flags live here with their subcommands."""
 
 from __future__ import annotations
 

@@ -26,18 +26,8 @@ def test_a_request_that_cannot_fit_or_names_no_token_is_refused_before_it_is_que
 @pytest.mark.launches
 def test_requests_complete_exactly_once_through_resizes_under_traffic():
     server = ElasticServer(RunConfig(mode="eager", ranks=2), 4).start()
-    results, stop = [], threading.Event()
-
-    def client(seed):
-        rng = random.Random(seed)
-        while not stop.is_set():
-            prompt = [rng.randrange(256) for _ in range(rng.randrange(1, 8))]
-            results.append(server.generate(prompt, rng.randrange(1, 8), timeout_s=120))
-
-    clients = [threading.Thread(target=client, args=(seed,)) for seed in range(3)]
+    results, stop, clients = start_clients(server)
     try:
-        for thread in clients:
-            thread.start()
         long_one = server.submit([1], 15)  # in flight for 15 steps: the drain below cannot finish in time
         with pytest.raises(ScaleError) as drained:
             server.scale(4, drain_timeout=0.001)
@@ -54,10 +44,7 @@ def test_requests_complete_exactly_once_through_resizes_under_traffic():
         assert server.scale(2, drain_timeout=60) == "Scaled to 2 data parallel engines" and server.ranks == 2
         assert server.result(long_one)["matches_reference"]
     finally:
-        stop.set()
-        for thread in clients:
-            thread.join(150)
-        server.shutdown()
+        stop_clients(server, stop, clients)
     assert results and all(r["matches_reference"] for r in results)
     assert server.stats.reconfigurations == 2
     assert server.stats.requests_submitted == len(results) + 2  # every one came back, once
@@ -66,18 +53,8 @@ def test_requests_complete_exactly_once_through_resizes_under_traffic():
 @pytest.mark.launches
 def test_a_member_killed_under_traffic_loses_no_request_and_is_replaced():
     server = ElasticServer(RunConfig(mode="eager", ranks=2), 4).start()
-    results, stop = [], threading.Event()
-
-    def client(seed):
-        rng = random.Random(seed)
-        while not stop.is_set():
-            prompt = [rng.randrange(256) for _ in range(rng.randrange(1, 8))]
-            results.append(server.generate(prompt, rng.randrange(1, 8), timeout_s=120))
-
-    clients = [threading.Thread(target=client, args=(seed,)) for seed in range(3)]
+    results, stop, clients = start_clients(server)
     try:
-        for thread in clients:
-            thread.start()
         assert server.scale(4) == "Scaled to 4 data parallel engines"
         # rank 0, at once: the joiners may still be taking their experts over the new group
         server.coordinator.processes[0].kill()
@@ -86,10 +63,7 @@ def test_a_member_killed_under_traffic_loses_no_request_and_is_replaced():
         assert 0 not in server.coordinator.members
         assert server.scale(4) == "Scaled to 4 data parallel engines" and server.ranks == 4  # a replacement
     finally:
-        stop.set()
-        for thread in clients:
-            thread.join(150)
-        server.shutdown()
+        stop_clients(server, stop, clients)
     assert results and all(r["matches_reference"] for r in results)
     assert server.stats.recoveries == 1 and server.stats.reconfigurations == 3
     assert server.stats.requests_submitted == len(results) + 1  # every one came back, once
@@ -100,3 +74,26 @@ def wait_until(condition, timeout_s=120.0):
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def start_clients(server, count=3):
+    """``count`` client threads generating random requests until told to stop; (results, stop, threads)."""
+    results, stop = [], threading.Event()
+
+    def client(seed):
+        rng = random.Random(seed)
+        while not stop.is_set():
+            prompt = [rng.randrange(256) for _ in range(rng.randrange(1, 8))]
+            results.append(server.generate(prompt, rng.randrange(1, 8), timeout_s=120))
+
+    clients = [threading.Thread(target=client, args=(seed,)) for seed in range(count)]
+    for thread in clients:
+        thread.start()
+    return results, stop, clients
+
+
+def stop_clients(server, stop, clients):
+    stop.set()
+    for thread in clients:
+        thread.join(150)
+    server.shutdown()
