@@ -101,7 +101,8 @@ def validate_layer_placements(placements: torch.Tensor, tables: list[LayerLookup
     if placements.dim() != 2 or placements.shape[0] != len(tables):
         raise ValueError(f"policy returned placements of shape {tuple(placements.shape)}, expected {len(tables)} layers")
     for layer, placement in zip(tables, placements):
-        validate_placement(placement, layer.num_logical_experts, layer.num_physical_experts, layer.max_replicas)
+        validate_placement(placement, layer.num_logical_experts, layer.num_physical_experts, layer.max_replicas,
+                           allow_empty=layer.allow_empty_slots)
 
 
 def logical_maps(

@@ -42,8 +42,10 @@ class RankLayer(RoutedLayer):
 class UpstreamModelView:
     """Duck-typed ``vllm.model_executor.models.interfaces.MixtureOfExperts`` over RankLayers."""
 
-    def __init__(self, layers: list[RankLayer], num_logical: int, num_physical: int, ep_size: int) -> None:
+    def __init__(self, layers: list[RankLayer], num_logical: int, num_physical: int, ep_size: int,
+                 load_buffer: torch.Tensor | None = None) -> None:
         self.layers = layers
+        self.load_buffer = load_buffer  # [L, tables' width]: the layers' own load rows, kept (elastic)
         self.expert_weights = [layer.weight_view for layer in layers]
         self.num_moe_layers = len(layers)
         self.num_expert_groups = 1
@@ -56,6 +58,8 @@ class UpstreamModelView:
         self.moe_layers = []  # no upstream EplbLayerState: our op reads our own tables
 
     def set_eplb_state(self, expert_load_pass, logical_to_physical_map, logical_replica_count) -> None:
+        if self.load_buffer is not None:  # the controller points upstream at these rows instead
+            return
         for index, layer in enumerate(self.layers):
             layer.tables.bind_load_(expert_load_pass[index, : self.num_physical_experts])
 
@@ -83,8 +87,15 @@ class EplbController:
         model_name: str = "moe",
         policy_process: bool = False,
         stall_bound: StallBound | None = None,
+        num_physical: int | None = None,
+        load_buffer: torch.Tensor | None = None,
     ) -> None:
         """Window size and step interval are upstream's: the current vLLM config's ``eplb_config``.
+
+        An elastic member's layers are wider than the group it serves now: ``num_physical`` is
+        the slots upstream places (the current size's), the tables' slots beyond it are empty;
+        ``load_buffer`` [L, tables' width] holds the layers' load rows, which keep their
+        addresses for the graphs: upstream records into its first ``num_physical`` columns.
 
         ``policy_process``: upstream's policy runs in a helper process (``PolicyProcess``)
         instead of on the worker thread, whose Python would otherwise hold this process's GIL
@@ -107,7 +118,8 @@ class EplbController:
                 f"every MoE layer must have the same expert counts and per-expert weight shapes for EPLB, "
                 f"got counts {sizes} and shapes {shapes}"
             )
-        (num_logical, num_physical), = sizes
+        (num_logical, width), = sizes
+        num_physical = width if num_physical is None else num_physical
         self.layers = layers
         self.load_phase = load_phase
         self.flags = layers[0].flags
@@ -118,10 +130,12 @@ class EplbController:
         self.policy_process = None
         try:  # a failure below leaves no patch installed and no helper running
             self.model_key = ModelKey(model_name)
-            self.model_view = UpstreamModelView(layers, num_logical, num_physical, self.ep_size)
+            self.model_view = UpstreamModelView(layers, num_logical, num_physical, self.ep_size, load_buffer)
             self.binding.bind(self.model_view, layers)
             self.state = EplbState(parallel_config, torch.device(device))
             self.state.add_model(self.model_view, self.model_key)  # also picks upstream's policy
+            if load_buffer is not None:
+                self._adopt(load_buffer, num_physical)
             if policy_process:
                 from eplb_graph.runtime.policy_process import PolicyProcess
 
@@ -136,6 +150,17 @@ class EplbController:
                 self.policy_process.close()
             self.binding.close()
             raise
+
+    def _adopt(self, load_buffer: torch.Tensor, num_physical: int) -> None:
+        """Upstream records into ``load_buffer`` and starts from the layers' current placement
+        (upstream's own ``update_mapping``, as its ``from_mapping`` does)."""
+        model_state = next(iter(self.state.model_states.values()))
+        model_state.expert_load_pass_buffer = load_buffer
+        model_state.expert_load_pass = load_buffer[:, :num_physical]
+        placements = torch.stack([layer.tables.physical_to_logical for layer in self.layers])  # [L, width]
+        if (placements[:, num_physical:] >= 0).any():
+            raise ValueError(f"the layers place experts beyond the {num_physical} slots upstream is to place")
+        self.state.update_mapping(self.model_key, placements[:, :num_physical].to(self.state.device))
 
     @property
     def stats(self) -> BindingStats:
@@ -197,8 +222,18 @@ class EplbController:
         them from under a running gloo operation."""
         self.check_worker()
         self.state.drain_async()
+        self.release(close_layers=True)
+
+    def release(self, *, close_layers: bool = False) -> None:
+        """Without a collective (``close`` drains first; a member whose group broke cannot): the
+        patches come out, an idle worker on a host device ends, and ``close_layers`` unregisters
+        the layers (an elastic member keeps them for its next controller)."""
         if self.policy_process is not None:
             self.policy_process.close()
         self.binding.close()
-        for layer in self.layers:
-            layer.close()
+        stop = getattr(self.state.rearrange_event, "close", None)  # HostEvent; a device event has none
+        if stop is not None:
+            stop()
+        if close_layers:
+            for layer in self.layers:
+                layer.close()

@@ -20,10 +20,25 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch.distributed as dist
 
 from eplb_graph.custom_ops import EP_GROUPS
+
+
+class GenerationGroups(NamedTuple):
+    """One generation's gloo groups: ``ep`` for the forwards and the members' control, ``eplb`` for
+    upstream's async EPLB worker, whose collectives run on another thread (one group shared
+    by two threads would interleave their collectives differently on each rank)."""
+
+    ep: dist.ProcessGroup
+    eplb: dist.ProcessGroup | None
+
+    def shutdown(self) -> None:
+        for pg in self:
+            if pg is not None:
+                pg.shutdown()
 
 
 class ElasticGroupError(RuntimeError):
@@ -72,16 +87,18 @@ class ElasticEpGroup:
     """This member's EP group now, and the next generation while it is being built."""
 
     def __init__(self, name: str, store: dist.Store, member: int, max_size: int, *, timeout_s: float = 60.0,
-                 connect: Callable[[], dist.Store] | None = None) -> None:
+                 connect: Callable[[], dist.Store] | None = None, eplb_group: bool = False) -> None:
         """``connect``: a new client of the same store, for the standby thread (a store client is
         not safe to share between threads); None: ``store`` itself (standbys built one at a time
-        with nothing else using the store meanwhile, as in tests)."""
+        with nothing else using the store meanwhile, as in tests). ``eplb_group``: every
+        generation of two or more members also builds a group for the EPLB worker."""
         self.name, self.store, self.member, self.max_size = name, store, member, max_size
         self.connect = connect
+        self.with_eplb_group = eplb_group
         self.timeout = timedelta(seconds=timeout_s)
         self.generation: Generation | None = None
-        self._pg: dist.ProcessGroup | None = None
-        self._standby: tuple[Generation, dist.ProcessGroup] | None = None
+        self._groups: GenerationGroups | None = None
+        self._standby: tuple[Generation, GenerationGroups | None] | None = None
         self._standby_error: BaseException | None = None
         self._standby_thread: threading.Thread | None = None
         self._solo = False
@@ -94,7 +111,7 @@ class ElasticEpGroup:
             return None, 0, 1
         if self.generation is None:
             raise ElasticGroupError(f"member {self.member} has not joined EP group {self.name!r} yet")
-        return (self._pg if self.generation.size > 1 else None), self.rank, self.size
+        return self.process_group, self.rank, self.size
 
     @property
     def rank(self) -> int:
@@ -106,11 +123,16 @@ class ElasticEpGroup:
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
-        return self._pg
+        return self._groups.ep if self._groups is not None else None
+
+    @property
+    def eplb_process_group(self) -> dist.ProcessGroup | None:
+        """The EPLB worker's group of this generation (None for one member, or without ``eplb_group``)."""
+        return self._groups.eplb if self._groups is not None else None
 
     # -- building and switching generations ---------------------------------------------
 
-    def _build(self, generation: Generation, store: dist.Store | None = None) -> dist.ProcessGroup | None:
+    def _build(self, generation: Generation, store: dist.Store | None = None) -> GenerationGroups | None:
         if generation.size > self.max_size:
             raise ValueError(f"generation {generation.index} has {generation.size} members, more than "
                              f"the group's maximum {self.max_size}")
@@ -118,14 +140,21 @@ class ElasticEpGroup:
             return None
         from vllm.distributed.utils import init_gloo_process_group
 
-        prefix = dist.PrefixStore(f"{self.name}/gen{generation.index}/pg/", store or self.store)
-        return init_gloo_process_group(prefix, generation.rank_of(self.member), generation.size, self.timeout)
+        def build(kind: str) -> dist.ProcessGroup:
+            prefix = dist.PrefixStore(f"{self.name}/gen{generation.index}/{kind}/", store or self.store)
+            return init_gloo_process_group(prefix, generation.rank_of(self.member), generation.size, self.timeout)
+
+        ep = build("pg")
+        try:
+            return GenerationGroups(ep, build("eplb") if self.with_eplb_group else None)
+        except BaseException:
+            ep.shutdown()
+            raise
 
     def join(self, index: int) -> Generation:
         """Blocks until generation ``index`` is announced and its group is built; makes it current."""
         generation = read_generation(self.store, self.name, index, self.timeout.total_seconds())
-        pg = self._build(generation)
-        self._replace(generation, pg)
+        self._replace(generation, self._build(generation))
         return generation
 
     def build_standby(self, generation: Generation, after_build: Callable[[dist.ProcessGroup], None] | None = None) -> None:
@@ -137,11 +166,11 @@ class ElasticEpGroup:
 
         def build() -> None:
             try:
-                pg = self._build(generation, self.connect() if self.connect is not None else None)
-                threading.current_thread().built = pg  # for an abandoned build to release
-                self._standby = (generation, pg)
-                if after_build is not None and pg is not None:
-                    after_build(pg)
+                groups = self._build(generation, self.connect() if self.connect is not None else None)
+                threading.current_thread().built = groups  # for an abandoned build to release
+                self._standby = (generation, groups)
+                if after_build is not None and groups is not None:
+                    after_build(groups.ep)
             except BaseException as error:  # reported by standby_failed / switch_
                 self._standby_error = error
 
@@ -162,9 +191,9 @@ class ElasticEpGroup:
         self._standby_thread = None
         if self._standby_error is not None:
             raise ElasticGroupError(f"building the standby EP group failed: {self._standby_error}") from self._standby_error
-        generation, pg = self._standby
+        generation, groups = self._standby
         self._standby = None
-        self._replace(generation, pg)
+        self._replace(generation, groups)
         return generation
 
     def abandon_standby(self) -> None:
@@ -192,8 +221,8 @@ class ElasticEpGroup:
         finally:
             self._solo = saved
 
-    def _replace(self, generation: Generation, pg: dist.ProcessGroup | None) -> None:
-        old, self._pg, self.generation = self._pg, pg, generation
+    def _replace(self, generation: Generation, groups: GenerationGroups | None) -> None:
+        old, self._groups, self.generation = self._groups, groups, generation
         if old is not None:
             old.shutdown()
 
@@ -201,15 +230,15 @@ class ElasticEpGroup:
         """The current group lost a member: destroy it, keeping the generation. Only destroying the
         last reference closes its connections (``shutdown`` does not), so a peer still waiting
         inside one of its collectives fails at once instead of at the group's timeout."""
-        if self._pg is not None:
-            self._pg.shutdown()
-            self._pg = None
+        if self._groups is not None:
+            self._groups.shutdown()
+            self._groups = None
             gc.collect()
 
     def leave(self) -> None:
         """This member is not in the next generation, or the run ends: its group goes."""
         self.abandon_standby()
-        if self._pg is not None:
-            self._pg.shutdown()
-        self._pg, self.generation = None, None
+        if self._groups is not None:
+            self._groups.shutdown()
+        self._groups, self.generation = None, None
         EP_GROUPS.unregister(self.name)

@@ -38,6 +38,11 @@ def metrics_text(server) -> str:
                                                stats.requests_requeued),
         "eplb_graph_output_mismatches_total": ("requests whose tokens differ from the reference", stats.output_mismatches),
         "eplb_graph_steps_total": ("steps the group has run", server.coordinator.progress()),
+        "eplb_graph_step_latency_ms": ("the last generating step's latency on rank 0", server.last_step_ms()),
+        "eplb_graph_rearrangements_total": ("upstream's EPLB rearrangements finished between resizes",
+                                            server.eplb_rearrangements()),
+        "eplb_graph_balancedness": ("mean / max per-rank load the placement expects under upstream's last "
+                                    "load window (NaN before the first rearrangement)", server.balancedness()),
     }
     for name, (help_text, value) in values.items():
         Gauge(name, help_text, registry=registry).set(value)

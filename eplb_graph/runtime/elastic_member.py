@@ -17,6 +17,9 @@ at its size. A resize:
    over the old group; then the switch: rank 0 writes the step, every member swaps its
    group slot (the graphs follow: the EP ops resolve the group by name); departing
    members leave; scaling up, the experts are spread over the new ranks over the new group.
+   Upstream's async EPLB (``elastic_eplb``) runs between resizes: each generation's is
+   drained before the switch, and its recorded load places the experts of the new size;
+   the new generation starts its own once they are in place.
 
 No graph is compiled or captured on the serving path: every shape is the maximum size's.
 
@@ -35,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from eplb_graph.runtime.compile import prepare_forward, unique_graphs
+from eplb_graph.runtime.elastic_eplb import ElasticEplb, elastic_eplb_session
 from eplb_graph.runtime.elastic_group import ElasticEpGroup, Generation, generation_announced, read_generation
 from eplb_graph.runtime.elastic_recovery import is_lost_peer, recover, serve_lost_batches
 from eplb_graph.runtime.elastic_reshuffle import reshuffle
@@ -52,7 +56,7 @@ class ElasticMember:
         self.member, self.spec, self.cfg = member, spec, spec.cfg
         self.store = spec.connect()
         self.group = ElasticEpGroup(spec.name, self.store, member, spec.max_ranks, timeout_s=spec.timeout_s,
-                                    connect=spec.connect)
+                                    connect=spec.connect, eplb_group=spec.cfg.eplb)
         self.result = MemberResult(member)
         self.workload = self.cfg.workload()
         self.pending: tuple[Generation, float] | None = None  # announced, since (monotonic)
@@ -65,9 +69,11 @@ class ElasticMember:
             founding_rank = read_generation(self.store, spec.name, 0, spec.timeout_s).rank_of(member)
         self.models = build_elastic_models(self.cfg, member, founding_rank, spec.max_ranks, spec.name)
         self.forward = prepare_forward(self.models.model, self.cfg, self.models.rank_layers, [])
+        self.eplb = ElasticEplb(self.models, self.cfg, timeout_s=spec.timeout_s)
         if first_generation == 0:
             self.group.join(0)
             self._warm_up()
+            self.eplb.start(self.group)
             self.next_generation = 1
             return
         with self.group.solo():  # a joiner's graphs exist before it is asked to serve
@@ -97,7 +103,7 @@ class ElasticMember:
         self.store.set(self.spec.key("gen", index, "ready", self.member), "1")
         self.step, old_size = self._wait_for_switch(index)
         try:
-            self._after_switch(generation, old_size, joined=True)
+            self._after_switch(generation, old_size, self.eplb.logical_load(), joined=True)
         except RuntimeError as error:  # a peer died during the reshuffle: run() recovers first
             if self.spec.expert_source is None or not is_lost_peer(error):
                 raise
@@ -147,6 +153,8 @@ class ElasticMember:
         else:
             if self.pending is not None:  # the run ended before the resize could switch
                 self._give_up()
+            self.eplb.stop()  # every member of the last generation, at its last step
+        self.result.eplb = self.eplb.summary()
         self.result.recompiles = unique_graphs() - self.graphs_after_warmup
         self.group.leave()
         return self.result
@@ -178,8 +186,9 @@ class ElasticMember:
         batch = make_batch(self.workload, step, 0 if rank is None else rank)
         tokens = batch.tokens if rank is not None else torch.zeros(1, min(self.cfg.capture_sizes), dtype=torch.long)
         num_tokens = batch.num_tokens if rank is not None else 0
-        self.models.flags.set_(record=rank is not None, num_unpadded_tokens=num_tokens)
+        self.eplb.begin_batch(num_unpadded_tokens=num_tokens, is_prefill=batch.is_prefill, record=rank is not None)
         out = self.forward(tokens)
+        self._after_forward()
         if rank is None:
             return
         result = self.result
@@ -191,6 +200,12 @@ class ElasticMember:
             check = check_output(out[:, real], self.models.reference(tokens)[:, real], self.cfg.output_tolerance)
             result.max_abs_diff = max(result.max_abs_diff, check.max_abs_diff)
             result.output_mismatches += not check.ok
+
+    def _after_forward(self) -> None:
+        """Upstream's EPLB step; rank 0 tells the coordinator when a rearrangement finished (``/metrics``)."""
+        if self.eplb.end_batch() and self.group.rank == 0:
+            self.store.add(self.spec.key("eplb", "rearrangements"), 1)
+            self.store.set(self.spec.key("eplb", "balancedness"), f"{self.eplb.balancedness():.4f}")
 
     def _between_steps(self) -> bool:
         """The control all-reduce and what it decides; False: this member left the group."""
@@ -267,10 +282,11 @@ class ElasticMember:
         old_size, new_size = self.group.size, generation.size
         started = time.monotonic()
         moved = 0
+        load = self.eplb.stop()  # upstream's rearrangement in flight ends here, on every member
         if new_size < old_size:  # the departing ranks' experts go to the survivors first, over the old group
             self.reshuffling = True
             moved = reshuffle(self.models.rank_layers, self.group.process_group, old_size, new_size,
-                              self.models.num_local, timeout_s=self.spec.timeout_s).bytes_moved
+                              self.models.num_local, load, timeout_s=self.spec.timeout_s).bytes_moved
             self.reshuffling = False
         if self.group.rank == 0:
             self.store.set(self.spec.key("gen", generation.index, "switch"), f"{self.step},{old_size}")
@@ -280,18 +296,20 @@ class ElasticMember:
             self.on_leave()
             return False
         self.group.switch_()
-        self._after_switch(generation, old_size, started=started, moved=moved)
+        self._after_switch(generation, old_size, load, started=started, moved=moved)
         return True
 
-    def _after_switch(self, generation: Generation, old_size: int, *, joined: bool = False,
+    def _after_switch(self, generation: Generation, old_size: int, load: torch.Tensor, *, joined: bool = False,
                       started: float | None = None, moved: int = 0) -> None:
+        """``load`` [L, num_logical]: what this member recorded in the old generation (a joiner: nothing)."""
         started = time.monotonic() if started is None else started
         self.next_generation = generation.index + 1
         if generation.size > old_size:  # the new ranks get their experts, over the new group
             self.reshuffling = True
             moved += reshuffle(self.models.rank_layers, self.group.process_group, old_size, generation.size,
-                               self.models.num_local, timeout_s=self.spec.timeout_s).bytes_moved
+                               self.models.num_local, load, timeout_s=self.spec.timeout_s).bytes_moved
             self.reshuffling = False
+        self.eplb.start(self.group)
         self.result.resizes.append({
             "generation": generation.index, "old_size": old_size, "new_size": generation.size,
             "first_step": self.step, "joined": joined, "switch_s": time.monotonic() - started, "bytes_moved": moved,
@@ -302,7 +320,7 @@ def run_member(member: int, max_ranks: int, store_address: str, spec: ElasticSpe
                first_generation: int | None) -> dict:
     """A member process's body (``launch._entry`` calls it as a rank function)."""
     torch.set_num_threads(1)
-    with torch.no_grad():
+    with torch.no_grad(), elastic_eplb_session(spec.cfg, spec.name, max_ranks):
         try:
             return asdict(ElasticMember(member, spec, first_generation).run())
         except ResizeAbandoned as abandoned:

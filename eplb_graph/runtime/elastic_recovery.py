@@ -108,6 +108,7 @@ def recover(member, error: str) -> None:
     spec, store, group, cfg = member.spec, member.store, member.group, member.cfg
     started = time.monotonic()
     broken = group.generation
+    member.eplb.discard()  # before the abort: nothing may keep the broken groups alive
     group.abandon_standby()
     group.abort()  # our peers still inside a collective of the broken group fail now, not at its timeout
     member.pending = None
@@ -133,6 +134,7 @@ def recover(member, error: str) -> None:
     requeued = member.serve_what_was_lost(broken, generation, resume)
     dead = [m for m in broken.members if m not in generation.members]
     member.step, member.next_generation = resume, index + 1
+    member.eplb.start(group)
     if group.rank == 0:
         store.set(spec.key("gen", index, "switch"), f"{resume},{broken.size}")
     member.result.recoveries.append({

@@ -68,6 +68,19 @@ def request_accounting(logs: list[list[list[int]]]) -> dict:
             "requests_duplicated": len(served) - len(completed)}
 
 
+def eplb_between_resizes(members: list[dict]) -> dict:
+    """Upstream's EPLB in every generation: each generation's count is its members' (they step in
+    lockstep; a member that died before the end reports fewer), summed over generations."""
+    totals = {}
+    for name in ("rearrangements_finished", "layers_committed", "rearrangement_stalls"):
+        per_generation: dict[str, int] = {}
+        for member in members:
+            for generation, count in member.get("eplb", {}).get(name, {}).items():
+                per_generation[generation] = max(per_generation.get(generation, 0), count)
+        totals[f"eplb_{name}"] = sum(per_generation.values())
+    return totals
+
+
 def summarize_elastic(cfg, plan: tuple[int, ...], max_ranks: int, raw: dict) -> dict:
     members = _served(raw["members"])
     timeline = group_timeline(members)
@@ -94,6 +107,7 @@ def summarize_elastic(cfg, plan: tuple[int, ...], max_ranks: int, raw: dict) -> 
         "max_abs_diff": max(m["max_abs_diff"] for m in members),
         "recompiles": sum(m["recompiles"] for m in members),  # after each member's warm-up: the serving path
         "recaptures": None,  # nothing is captured on the host
+        **eplb_between_resizes(members),
         "state_bytes_sent": sum(m["state_bytes_sent"] for m in members),
         "join_prepare_seconds_max": round(max(joiners), 4) if joiners else None,
         "step_p50_ms": round(median_gap * 1e3, 3),
@@ -114,6 +128,8 @@ def failed_elastic_invariants(report: dict) -> list[str]:
     for name in ("requests_lost", "requests_duplicated"):
         if report[name]:
             problems.append(f"{report[name]} {name.replace('_', ' ')}")
+    if report.get("eplb_rearrangement_stalls"):
+        problems.append(f"{report['eplb_rearrangement_stalls']} stalled EPLB rearrangements")
     if report["recoveries"] < len(report["members_lost"]):
         problems.append(f"{len(report['members_lost'])} members lost, {report['recoveries']} recovered from")
     return problems
@@ -162,7 +178,8 @@ def write_elastic_report(out: Path, cfg, plan: tuple[int, ...], max_ranks: int, 
               f"serving at the new size after {seconds} s, longest pause {resize['serving_pause_seconds']} s, "
               f"{resize['bytes_moved']} bytes moved")
     print(f"{report['batches_served']} batches, output mismatches {report['output_mismatches']}, "
-          f"recompiles {report['recompiles']}; wrote {out / 'report.json'}, {plot}")
+          f"recompiles {report['recompiles']}, {report['eplb_rearrangements_finished']} EPLB rearrangements "
+          f"between resizes; wrote {out / 'report.json'}, {plot}")
     for problem in problems:
         print(f"FAILED: {problem}", file=sys.stderr)
     return 1 if problems else 0

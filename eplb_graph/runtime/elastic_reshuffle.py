@@ -39,9 +39,9 @@ def check_new_size(new_size: int, num_logical: int, num_local: int, max_size: in
                          f"{num_logical} logical experts (at least {-(-num_logical // num_local)} ranks)")
 
 
-def global_logical_load(layers: list[RankLayer], pg: dist.ProcessGroup | None) -> torch.Tensor:
-    """[L, num_logical] the load every rank recorded since the last reset, summed over ranks."""
-    load = torch.stack([layer.tables.logical_load() for layer in layers])  # [L, E]
+def global_logical_load(load: torch.Tensor, pg: dist.ProcessGroup | None) -> torch.Tensor:
+    """[L, num_logical] every rank's ``load`` [L, num_logical], summed over ranks."""
+    load = load.to(torch.int64).clone()
     if pg is not None:
         dist.all_reduce(load, group=pg)
     return load
@@ -57,16 +57,17 @@ def new_placement(load: torch.Tensor, num_local: int, new_size: int) -> torch.Te
 
 
 def reshuffle(layers: list[RankLayer], pg: dist.ProcessGroup | None, old_size: int, new_size: int,
-              num_local: int, *, timeout_s: float = 60.0) -> Reshuffle:
+              num_local: int, load: torch.Tensor, *, timeout_s: float = 60.0) -> Reshuffle:
     """Moves experts for a resize old_size -> new_size over ``pg`` (the new group scaling up,
-    the old one scaling down), then routes every layer by the new placement."""
+    the old one scaling down), placed by this rank's ``load`` [L, num_logical] summed over the
+    ranks (a joiner's is zeros), then routes every layer by the new placement."""
     from vllm.distributed.eplb.rebalance_execute import rearrange_expert_weights_inplace
 
     if pg is None:  # one rank before and after: nothing to move, and no policy run needed
         return Reshuffle(old_size, new_size, 0, 0)
     width = layers[0].tables.num_physical_experts  # num_local x max size: the tables' fixed width
     old = torch.stack([layer.tables.physical_to_logical for layer in layers])  # [L, width]
-    new = new_placement(global_logical_load(layers, pg), num_local, new_size)  # [L, num_local x new_size]
+    new = new_placement(global_logical_load(load, pg), num_local, new_size)  # [L, num_local x new_size]
     communicator = GlooStagedCommunicator(pg, timeout_s=timeout_s)
     if new_size >= old_size:  # scale up: old ranks keep their numbers, the new ones start empty
         rank_mapping = {r: r for r in range(old_size)}

@@ -141,9 +141,7 @@ class ElasticServer:
         """Blocks until request ``rid`` finished: on this thread's own store client, since a client
         blocked in a wait holds up every other call made through it."""
         self.check()
-        client = getattr(self._clients, "store", None)
-        if client is None:
-            client = self._clients.store = self.spec.connect()
+        client = self._client()
         key = self.spec.key("res", rid)
         try:
             client.wait([key], timedelta(seconds=timeout_s))
@@ -151,6 +149,13 @@ class ElasticServer:
             self.check()
             raise TimeoutError(f"request {rid} did not finish within {timeout_s:.0f} s") from None
         return json.loads(client.get(key))
+
+    def _client(self):
+        """This thread's own store client: one blocked in a wait holds up every call made through it."""
+        client = getattr(self._clients, "store", None)
+        if client is None:
+            client = self._clients.store = self.spec.connect()
+        return client
 
     def generate(self, prompt_token_ids: list[int], max_new_tokens: int, timeout_s: float = 120.0) -> dict:
         return self.result(self.submit(prompt_token_ids, max_new_tokens), timeout_s)
@@ -163,6 +168,21 @@ class ElasticServer:
         """Requests assigned to ``member`` and not finished yet."""
         with self.lock:
             return sum(m == member for m in self.assigned.values())
+
+    # -- what the members publish (``/metrics``) ---------------------------------------------
+
+    def _published(self, *parts: str) -> float:
+        key, client = self.spec.key(*parts), self._client()
+        return float(client.get(key)) if client.check([key]) else float("nan")
+
+    def last_step_ms(self) -> float:
+        return self._published("step_ms")
+
+    def eplb_rearrangements(self) -> int:
+        return self._client().add(self.spec.key("eplb", "rearrangements"), 0)
+
+    def balancedness(self) -> float:
+        return self._published("eplb", "balancedness")
 
     # -- scaling -----------------------------------------------------------------------
 

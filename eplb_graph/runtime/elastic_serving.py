@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from eplb_graph.runtime.elastic_eplb import elastic_eplb_session
 from eplb_graph.runtime.elastic_member import ElasticMember
 from eplb_graph.runtime.elastic_spec import ElasticSpec, ResizeAbandoned
 
@@ -90,8 +91,11 @@ class ServingMember(ElasticMember):
         if signal[1]:  # anyone told to stop: all stop at this step
             self.stopped = True
         elif signal[0]:
+            started = time.monotonic()
             self._generate_one_token()
             self.result.step_end_s.append(time.monotonic())
+            if self.group.rank == 0:  # the last step's latency, for /metrics
+                self.store.set(self.spec.key("step_ms"), f"{(self.result.step_end_s[-1] - started) * 1e3:.3f}")
             self.result.step_size.append(self.group.size)
             self.result.steps.append(self.step)
         else:
@@ -121,8 +125,9 @@ class ServingMember(ElasticMember):
         for row, active in enumerate(self.active):
             tokens[row, : len(active.tokens)] = torch.tensor(active.tokens)
         # causal attention: a row's last real position does not see its padding (load records it, though)
-        self.models.flags.set_(record=True, num_unpadded_tokens=tokens.numel())
+        self.eplb.begin_batch(num_unpadded_tokens=tokens.numel(), is_prefill=False)
         logits = self.forward(tokens)  # [B, S, V]
+        self._after_forward()
         expected = self.models.reference(tokens) if self.cfg.check_outputs else logits
         finished = []
         for row, active in enumerate(self.active):
@@ -149,7 +154,7 @@ def run_serving_member(member: int, max_ranks: int, store_address: str, spec: El
     from dataclasses import asdict
 
     torch.set_num_threads(1)
-    with torch.no_grad():
+    with torch.no_grad(), elastic_eplb_session(spec.cfg, spec.name, max_ranks):
         try:
             return asdict(ServingMember(member, spec, first_generation, shape).run())
         except ResizeAbandoned as abandoned:

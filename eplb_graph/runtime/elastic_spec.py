@@ -54,6 +54,7 @@ class MemberResult:
     join_prepare_s: float | None = None  # a joiner: assigned -> ready (group built, state received)
     left_at_step: int | None = None
     recoveries: list[dict] = field(default_factory=list)
+    eplb: dict = field(default_factory=dict)  # upstream's EPLB between resizes, per generation (ElasticEplb.summary)
 
 
 ABANDONED = "abandoned"  # the value of a generation's switch key when its resize was given up

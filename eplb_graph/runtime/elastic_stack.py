@@ -35,6 +35,7 @@ class ElasticModels(NamedTuple):
     rank_layers: list[RankLayer]
     flags: BatchFlags
     num_local: int  # physical expert slots per rank, fixed for the run
+    load: torch.Tensor  # [L, num_local x max_ranks] int32: the layers' load rows, upstream's window reads them
 
 
 def max_placement(cfg: RunConfig, max_ranks: int) -> torch.Tensor:
@@ -57,6 +58,7 @@ def build_elastic_models(cfg: RunConfig, member: int, founding_rank: int | None,
     num_local = cfg.num_physical // cfg.ranks
     num_physical = num_local * max_ranks
     flags = BatchFlags("cpu")
+    load = torch.zeros(len(logical.layers), num_physical, dtype=torch.int32)  # upstream's load dtype
     rank_layers = []
     for index, block in enumerate(logical.layers):
         _, logical_experts, reference.layers[index].mlp = logical_layer(block.mlp, cfg)
@@ -69,12 +71,13 @@ def build_elastic_models(cfg: RunConfig, member: int, founding_rank: int | None,
         key = f"elastic{member}.{index}"
         tables = LayerLookup(cfg.num_experts, num_physical, max_replicas=num_physical - cfg.num_experts + 1,
                              placement=placement, allow_empty_slots=True)
+        tables.bind_load_(load[index])  # before any graph is built: every generation's controller records here
         rank_layers.append(RankLayer(key, tables, flags, local.weight_view()))
         served_block = served.layers[index].mlp
         served.layers[index].mlp = ExpertParallelMoE(
             TopKRouter.from_weight(served_block.gate.weight.detach().clone(), cfg.top_k), local, key,
             shared_expert=served_block.shared_expert, expert_kernel=cfg.expert_kernel, elastic_group=group_name)
-    return ElasticModels(served.eval(), reference.eval(), rank_layers, flags, num_local)
+    return ElasticModels(served.eval(), reference.eval(), rank_layers, flags, num_local, load)
 
 
 def non_expert_tensors(models: ElasticModels) -> list[torch.Tensor]:

@@ -58,6 +58,24 @@ def inductor_compile_threads_kept() -> Iterator[None]:
             config.compile_threads = config.decide_compile_threads()
 
 
+def eplb_vllm_config(world_size: int, *, num_redundant_experts: int, window_size: int, step_interval: int):
+    """A ``VllmConfig`` for EP = ``world_size`` with asynchronous EPLB on (see the module docstring)."""
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.config.parallel import EPLBConfig
+
+    with _quiet_model_runner_checks():
+        config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=world_size, enable_expert_parallel=True))
+    config.parallel_config.enable_eplb = True
+    config.parallel_config.eplb_config = EPLBConfig(
+        window_size=window_size,
+        step_interval=step_interval,
+        use_async=True,
+        communicator="torch_gloo",
+        num_redundant_experts=num_redundant_experts,
+    )
+    return config
+
+
 def init_expert_parallel(
     rank: int,
     world_size: int,
@@ -80,20 +98,11 @@ def init_expert_parallel(
     the communicator is named since auto-selection lives in the validator. Returns the
     VllmConfig, which must stay current (``set_current_vllm_config``) while EPLB runs.
     """
-    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
-    from vllm.config.parallel import EPLBConfig
+    from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state
 
-    with _quiet_model_runner_checks():
-        config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=world_size, enable_expert_parallel=True))
-    config.parallel_config.enable_eplb = True
-    config.parallel_config.eplb_config = EPLBConfig(
-        window_size=window_size,
-        step_interval=step_interval,
-        use_async=True,
-        communicator="torch_gloo",
-        num_redundant_experts=num_redundant_experts,
-    )
+    config = eplb_vllm_config(world_size, num_redundant_experts=num_redundant_experts, window_size=window_size,
+                              step_interval=step_interval)
     with set_current_vllm_config(config):
         parallel_state.init_distributed_environment(
             world_size, rank, init_method, rank if local_rank is None else local_rank, backend=backend,

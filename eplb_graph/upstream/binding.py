@@ -28,6 +28,19 @@ from eplb_graph.upstream.capability import UpstreamCapabilityAdapter, ends_rearr
 from eplb_graph.upstream.watchdog import StallBound, StallWatchdog
 
 
+def padded_to_tables(placements: torch.Tensor, tables: list[LayerLookup]) -> torch.Tensor:
+    """[L, width] upstream's [L, num_physical] placements, -1 in the slots beyond them: an elastic
+    member's tables have the maximum size's slots and upstream places the current size's. Tables
+    without empty slots are as wide as upstream's placements (a narrower policy output is refused
+    by the check, as any wrong width)."""
+    width = tables[0].num_physical_experts if tables else placements.shape[-1]
+    if placements.dim() != 2 or placements.shape[1] >= width or not tables[0].allow_empty_slots:
+        return placements
+    padded = torch.full((placements.shape[0], width), -1, dtype=placements.dtype)
+    padded[:, : placements.shape[1]] = placements
+    return padded
+
+
 class BoundLayer(Protocol):
     """A layer upstream commits placements to (``RoutedLayer`` and its subclasses)."""
 
@@ -78,11 +91,13 @@ class UpstreamBinding:
     # -- upstream's hooks (the capability adapter calls them) ------------------------------
 
     def _check_placements(self, model_state, placements: torch.Tensor) -> None:
-        validate_layer_placements(placements, [layer.tables for layer in self.layers_of(model_state)])
+        tables = [layer.tables for layer in self.layers_of(model_state)]
+        validate_layer_placements(padded_to_tables(placements, tables), tables)
 
     def _after_commit(self, model_state, layer_index: int | None) -> None:
         layers = self.layers_of(model_state)
-        committed = model_state.physical_to_logical_map.cpu()  # [L, num_physical]: upstream's is the truth
+        # [L, width]: upstream's is the truth; an elastic member's tables are wider than what it places
+        committed = padded_to_tables(model_state.physical_to_logical_map.cpu(), [layer.tables for layer in layers])
         for index in range(len(layers)) if layer_index is None else [layer_index]:
             self.stats.placement_changes += layers[index].commit_placement_(committed[index])
             self.stats.layers_committed += 1

@@ -50,12 +50,21 @@ class HostEvent:
 
     def __init__(self) -> None:
         self._recorded = threading.Event()
+        self._closed = False
 
     def wait(self, stream=None, timeout: float | None = None) -> bool:
         done = self._recorded.wait(timeout)
+        if self._closed:
+            raise AsyncWorkerStopped("the EPLB state this worker served was closed")
         if done:
             self._recorded.clear()
         return done
+
+    def close(self) -> None:
+        """A waiter blocked now, or later, raises ``AsyncWorkerStopped``: upstream's worker loop
+        waits on its state's event forever, and ends only by an exception."""
+        self._closed = True
+        self._recorded.set()
 
     def record(self, stream=None) -> None:
         if self._recorded.is_set():
@@ -113,6 +122,10 @@ def host_device_stream(stream):
         yield
     finally:
         torch.accelerator.set_stream(prev)
+
+
+class AsyncWorkerStopped(Exception):
+    """Ends an idle async worker whose EPLB state was closed (``HostEvent.close``)."""
 
 
 class EplbWorkerError(RuntimeError):
@@ -270,6 +283,8 @@ class UpstreamCapabilityAdapter:
                         torch.accelerator.set_device_index(device.index)
                     stream = torch.Stream(device=torch.accelerator.current_accelerator())
                 async_worker.transfer_run_periodically(state=state, stream=stream, is_profile=is_profile)
+            except AsyncWorkerStopped:  # its state was closed: a clean end, not a death
+                return
             except BaseException as error:  # surfaced on the main thread by check_worker()
                 health.error = error
                 health.traceback = traceback.format_exc()

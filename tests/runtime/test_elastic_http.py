@@ -18,6 +18,15 @@ class StandInServer:
         self.scaled: list = []
         self.refuse: ScaleError | None = None
 
+    def last_step_ms(self):
+        return 3.5
+
+    def eplb_rearrangements(self):
+        return 6
+
+    def balancedness(self):
+        return float("nan")  # no rearrangement finished yet
+
     def generate(self, prompt, max_new_tokens):
         if max_new_tokens > 8:
             raise ValueError("prompt (1) + max_new_tokens (9) exceeds the server's 16 tokens per request")
@@ -87,7 +96,8 @@ def test_is_scaling_and_metrics(client, server):
     assert client.post("/is_scaling_elastic_ep").json() == {"is_scaling_elastic_ep": True}
     text = client.get("/metrics").text
     assert "eplb_graph_ep_ranks 2.0" in text and "eplb_graph_requests_completed_total 3.0" in text
-    assert "eplb_graph_steps_total 42.0" in text
+    assert "eplb_graph_steps_total 42.0" in text and "eplb_graph_step_latency_ms 3.5" in text
+    assert "eplb_graph_rearrangements_total 6.0" in text and "eplb_graph_balancedness NaN" in text
 
 
 def test_health_says_when_the_coordinator_stopped(client, server):

@@ -44,6 +44,18 @@ def test_a_resize_is_timed_from_its_request_to_the_first_step_at_the_new_size():
     assert failed_elastic_invariants(report) == []
 
 
+def test_upstreams_eplb_is_counted_once_per_generation_and_a_stall_fails_the_run():
+    raw = raw_run()
+    founder = {"rearrangements_finished": {"0": 2, "1": 1}, "layers_committed": {"0": 4, "1": 3},
+               "rearrangement_stalls": {"0": 0, "1": 0}}
+    raw["members"][0]["eplb"] = raw["members"][1]["eplb"] = founder
+    raw["members"][2]["eplb"] = {"rearrangements_finished": {"1": 1}, "layers_committed": {"1": 3},
+                                 "rearrangement_stalls": {"1": 1}}  # the joiner only served generation 1
+    report = summarize_elastic(CFG, (2, 4), 4, raw)
+    assert (report["eplb_rearrangements_finished"], report["eplb_layers_committed"]) == (3, 7)
+    assert failed_elastic_invariants(report) == ["1 stalled EPLB rearrangements"]
+
+
 def test_a_batch_owed_but_never_served_is_lost_and_one_served_twice_is_duplicated():
     raw = raw_run()
     raw["served"]["3"] = [[5, 3, 4], [6, 3, 4]]  # step 7 of rank 3 never completed

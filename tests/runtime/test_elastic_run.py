@@ -28,6 +28,12 @@ def test_a_compiled_group_grows_and_shrinks_with_no_recompile_and_every_output_e
     assert len(joined) == 2 and all(m["left_at_step"] == down["first_step_at_new_size"] for m in joined)
     assert all(set(m["step_size"]) == {4} for m in joined)  # a joiner serves only at the new size
     assert report["state_bytes_sent"] > 0  # the non-expert weights went from rank 0 to both joiners
+    # upstream's async EPLB ran in each of the three generations, and every member of one agreed
+    for generation in ("0", "1", "2"):
+        counts = {m["eplb"]["rearrangements_finished"][generation] for m in members.values()
+                  if generation in m["eplb"]["rearrangements_finished"]}
+        assert len(counts) == 1 and counts.pop() >= 1
+    assert report["eplb_rearrangement_stalls"] == 0
 
 
 @pytest.mark.launches
@@ -55,6 +61,9 @@ def test_a_member_killed_mid_run_is_recovered_from_with_nothing_lost_and_later_r
     assert kinds == [("resize", 2, 4, "switched"), ("recovery", 4, 3, "switched"), ("resize", 3, 4, "switched")]
     recovery = report["resizes"][1]
     assert recovery["reconfiguration_seconds"] is not None and recovery["bytes_moved"] == 0  # nothing from a peer
+    # the recovery generation and the replacement's run upstream's EPLB afresh
+    survivors = [m for m in raw["members"] if "eplb" in m and "2" in m["eplb"]["rearrangements_finished"]]
+    assert len(survivors) == 3 and report["eplb_rearrangements_finished"] >= 4
 
 
 @pytest.mark.parametrize("text, message", [

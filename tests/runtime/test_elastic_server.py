@@ -43,6 +43,9 @@ def test_requests_complete_exactly_once_through_resizes_under_traffic():
         # drained: the requests in flight finish first, those submitted meanwhile wait for the new group
         assert server.scale(2, drain_timeout=60) == "Scaled to 2 data parallel engines" and server.ranks == 2
         assert server.result(long_one)["matches_reference"]
+        # upstream's async EPLB rearranges between resizes, and rank 0 publishes it for /metrics
+        wait_until(lambda: server.eplb_rearrangements() >= 1)
+        assert 0 < server.balancedness() <= 1 and server.last_step_ms() > 0
     finally:
         stop_clients(server, stop, clients)
     assert results and all(r["matches_reference"] for r in results)

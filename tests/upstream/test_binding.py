@@ -59,6 +59,29 @@ def test_a_layer_commit_refreshes_that_layer_from_upstreams_placement(bound):
     assert binding.stats.layers_committed_in_flight == 0
 
 
+def test_an_elastic_layer_wider_than_upstreams_placement_takes_it_with_empty_slots_after():
+    """An elastic member's tables have the maximum size's slots; upstream places the current size's."""
+    flags = BatchFlags()
+    layers = [RoutedLayer("binding-test.wide", LayerLookup(4, 12, placement=torch.tensor([0, 1, 2, 3, 0, 1] + [-1] * 6),
+                                                           allow_empty_slots=True), flags)]
+    model = SimpleNamespace(num_moe_layers=1)
+    model_state = SimpleNamespace(model=model, physical_to_logical_map=torch.tensor([[0, 1, 2, 3, 0, 1]]),
+                                  logical_to_physical_map=torch.full((1, 4, 3), -1, dtype=torch.int64),
+                                  logical_replica_count=torch.zeros(1, 4, dtype=torch.int64))
+    binding = UpstreamBinding("cpu")
+    binding.bind(model, layers)
+    try:
+        new = torch.tensor([3, 2, 1, 0, 2, 2])
+        eplb_state._commit_eplb_maps_for_layer(model_state, new_physical_to_logical_map=new, layer=0)
+        assert layers[0].tables.physical_to_logical.tolist() == new.tolist() + [-1] * 6
+        binding._check_placements(model_state, torch.tensor([[0, 1, 2, 3, 3, 3]]))  # checked padded: valid
+        with pytest.raises(ValueError, match="logical experts \\[1\\] have no replica"):
+            binding._check_placements(model_state, torch.tensor([[0, 0, 2, 3, 3, 3]]))
+    finally:
+        binding.close()
+        layers[0].close()
+
+
 def test_a_synchronous_commit_refreshes_every_layer(bound):
     binding, layers, model_state = bound
     eplb_state._commit_eplb_maps(model_state, new_physical_to_logical_map=torch.tensor([[1, 0, 3, 2, 1, 1]] * 2))

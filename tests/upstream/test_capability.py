@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from eplb_graph.upstream.capability import HostEvent, HostTimingEvent, UpstreamCapabilityAdapter, WorkerHealth
+from eplb_graph.upstream.capability import (
+    AsyncWorkerStopped, HostEvent, HostTimingEvent, UpstreamCapabilityAdapter, WorkerHealth,
+)
 
 eplb_state = pytest.importorskip("vllm.distributed.eplb.eplb_state")
 async_worker = pytest.importorskip("vllm.distributed.eplb.async_worker")
@@ -24,6 +26,24 @@ def test_host_event_hands_over_once_per_record():
     event.record()
     with pytest.raises(RuntimeError, match="before the previous event was consumed"):
         event.record()
+
+
+def test_a_closed_host_event_ends_its_waiter_now_and_later():
+    event, ended = HostEvent(), []
+
+    def waiter():
+        try:
+            event.wait()  # upstream's worker loop: no timeout
+        except AsyncWorkerStopped:
+            ended.append(True)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    event.close()
+    thread.join(10)
+    assert ended == [True] and not thread.is_alive()
+    with pytest.raises(AsyncWorkerStopped):
+        event.wait(timeout=0.01)
 
 
 def test_host_timing_event_measures_between_two_records():
