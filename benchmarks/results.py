@@ -153,9 +153,11 @@ def render_elastic(r: dict) -> str:
              x["serving_pause_seconds"], x["steps_paused"], x["bytes_moved"]] for x in r["resizes"]]
     resizes = table(["resize", "at step", "outcome", "to serving at the new size s", "longest pause s", "steps paused",
                      "bytes moved"], rows)
-    totals = table(["batches", "lost", "duplicated", "mismatches", "recompiles", "experts reloaded", "step p50 ms"],
+    totals = table(["batches", "lost", "duplicated", "mismatches", "recompiles", "experts reloaded", "step p50 ms",
+                    "EPLB rearrangements between resizes"],
                    [[r["requests_completed"], r["requests_lost"], r["requests_duplicated"], r["output_mismatches"],
-                     r["recompiles"], r["experts_reloaded"], r["step_p50_ms"]]])
+                     r["recompiles"], r["experts_reloaded"], r["step_p50_ms"],
+                     r.get("eplb_rearrangements_finished", "not run (before 530d607)")]])
     return f"{resizes}\n\n{totals}"
 
 
@@ -264,9 +266,10 @@ def headline(record: dict) -> str:
         rows.append(["elastic resize 2 -> 4 -> 2: request to serving at the new size, s (longest pause)",
                      f"{worst['reconfiguration_seconds']} ({max(x['serving_pause_seconds'] for x in elastic['resizes'])})",
                      "<= 5 (<= 0.5)", "`eplb-graph run --scale-plan 2,4,2`"])
-        rows.append(["elastic: recompiles / lost / duplicated / mismatches",
+        rows.append(["elastic: recompiles / lost / duplicated / mismatches (EPLB rearrangements between resizes)",
                      f"{elastic['recompiles']} / {elastic['requests_lost']} / {elastic['requests_duplicated']} / "
-                     f"{elastic['output_mismatches']}", "0 / 0 / 0 / 0", "`eplb-graph run --scale-plan 2,4,2`"])
+                     f"{elastic['output_mismatches']} ({elastic.get('eplb_rearrangements_finished', 'not run')})",
+                     "0 / 0 / 0 / 0", "`eplb-graph run --scale-plan 2,4,2`"])
     for key, who, kill in (("elastic_fault", "a member", "3@150"), ("elastic_fault_rank0", "rank 0", "0@150")):
         fault = record.get(key)
         recovery = next((x for x in fault["resizes"] if x["kind"] == "recovery"), None) if fault else None
