@@ -23,6 +23,7 @@ import torch.distributed as dist
 from eplb_graph.models.reference import build_reference_model
 from eplb_graph.runtime.config import RunConfig
 from eplb_graph.runtime.controller import RankLayer
+from eplb_graph.runtime.elastic_reshuffle import from_rank_0
 from eplb_graph.runtime.stack import logical_layer
 
 
@@ -123,7 +124,7 @@ def recover(member, error: str) -> None:
     layers, num_local = member.models.rank_layers, member.models.num_local
     own = torch.stack([layer.tables.physical_to_logical for layer in layers])  # [L, width]
     # a failure inside a weight move can leave the members' tables a commit apart: all take rank 0's
-    placement = _from_rank_0(own, group.rank, group.process_group)
+    placement = from_rank_0(own, group.rank, group.process_group)
     recovered = surviving_placement(placement, [broken.rank_of(m) for m in generation.members], num_local,
                                     cfg.num_experts)
     stale = member.reshuffling or not torch.equal(own, placement)  # weights unlike the agreed placement
@@ -142,14 +143,6 @@ def recover(member, error: str) -> None:
         "experts_reloaded": loaded, "requests_requeued": requeued, "recovery_s": time.monotonic() - started,
         "resume_step": resume,
     })
-
-
-def _from_rank_0(tensor: torch.Tensor, rank: int, pg) -> torch.Tensor:
-    """Rank 0's ``tensor`` (integers >= -1) on every rank: a sum where the others contribute zeros."""
-    shifted = tensor + 1 if rank == 0 else torch.zeros_like(tensor)
-    if pg is not None:
-        dist.all_reduce(shifted, op=dist.ReduceOp.SUM, group=pg)
-    return shifted - 1
 
 
 def _all_max(tensor: torch.Tensor, pg) -> torch.Tensor:

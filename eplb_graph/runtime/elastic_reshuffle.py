@@ -47,6 +47,14 @@ def global_logical_load(load: torch.Tensor, pg: dist.ProcessGroup | None) -> tor
     return load
 
 
+def from_rank_0(tensor: torch.Tensor, rank: int, pg: dist.ProcessGroup | None) -> torch.Tensor:
+    """Rank 0's ``tensor`` (integers >= -1) on every rank: a sum where the others contribute zeros."""
+    shifted = tensor + 1 if rank == 0 else torch.zeros_like(tensor)
+    if pg is not None:
+        dist.all_reduce(shifted, op=dist.ReduceOp.SUM, group=pg)
+    return shifted - 1
+
+
 def new_placement(load: torch.Tensor, num_local: int, new_size: int) -> torch.Tensor:
     """[L, num_local x new_size] upstream's default policy for ``new_size`` ranks on one node."""
     from vllm.distributed.eplb.policy import DefaultEplbPolicy
@@ -66,7 +74,8 @@ def reshuffle(layers: list[RankLayer], pg: dist.ProcessGroup | None, old_size: i
     if pg is None:  # one rank before and after: nothing to move, and no policy run needed
         return Reshuffle(old_size, new_size, 0, 0)
     width = layers[0].tables.num_physical_experts  # num_local x max size: the tables' fixed width
-    old = torch.stack([layer.tables.physical_to_logical for layer in layers])  # [L, width]
+    # [L, width] rank 0's: a joiner's copy dates from its prepare, and EPLB committed layers since
+    old = from_rank_0(torch.stack([layer.tables.physical_to_logical for layer in layers]), pg.rank(), pg)
     new = new_placement(global_logical_load(load, pg), num_local, new_size)  # [L, num_local x new_size]
     communicator = GlooStagedCommunicator(pg, timeout_s=timeout_s)
     if new_size >= old_size:  # scale up: old ranks keep their numbers, the new ones start empty
