@@ -21,6 +21,11 @@ at its size. A resize:
    drained before the switch, and its recorded load places the experts of the new size;
    the new generation starts its own once they are in place.
 
+Rank 0's write of the switch is the resize's commit point, a compare-and-set against the
+coordinator's: a joiner that dies before it makes the coordinator ask rank 0 to give the
+resize up (``cancel``, read with the release), and a member of the serving group that dies
+makes the coordinator give it up itself, so the two never both win.
+
 No graph is compiled or captured on the serving path: every shape is the maximum size's.
 
 Longer than one reading because the member's three phases (join, serve, switch) share its
@@ -40,7 +45,7 @@ import torch.distributed as dist
 from eplb_graph.runtime.compile import prepare_forward, unique_graphs
 from eplb_graph.runtime.elastic_eplb import ElasticEplb, elastic_eplb_session
 from eplb_graph.runtime.elastic_group import ElasticEpGroup, Generation, generation_announced, read_generation
-from eplb_graph.runtime.elastic_recovery import is_lost_peer, recover, serve_lost_batches
+from eplb_graph.runtime.elastic_recovery import LostPeer, is_lost_peer, recover, serve_lost_batches
 from eplb_graph.runtime.elastic_reshuffle import reshuffle
 from eplb_graph.runtime.elastic_spec import ABANDONED, ElasticSpec, MemberResult, ResizeAbandoned
 from eplb_graph.runtime.elastic_stack import build_elastic_models, receive_state, send_state
@@ -96,8 +101,8 @@ class ElasticMember:
         try:
             generation = self.group.join(index)
             receive_state(self.models, self.group.process_group, self.spec.timeout_s)
-        except Exception:  # a group given up under us (its members gone) is not this member's failure
-            self._check_not_abandoned(index)
+        except Exception:  # a group given up under us (a peer gone) is not this member's failure:
+            self._wait_for_switch(index)  # rank 0 gives the resize up (bounded): ResizeAbandoned
             raise
         self.result.join_prepare_s = time.monotonic() - started
         self.store.set(self.spec.key("gen", index, "ready", self.member), "1")
@@ -218,7 +223,7 @@ class ElasticMember:
             control[1] = not self._ready() or release == "wait"
             failed = self.group.standby_failed() is not None
             late = rank == 0 and release == "go" and time.monotonic() - self.released_s > self.spec.deadline_s
-            control[2] = failed or release == "abandon" or late
+            control[2] = failed or release == "abandon" or late or rank == 0 and self._cancelled()
         pg, _, size = self.group.current()
         if pg is not None:
             dist.all_reduce(control, op=dist.ReduceOp.MAX, group=pg)
@@ -262,6 +267,11 @@ class ElasticMember:
             self.released_s = time.monotonic()  # the deadline counts from here
         return value
 
+    def _cancelled(self) -> bool:
+        """Rank 0: the coordinator asks the pending resize to be given up (a joiner died)."""
+        generation, _ = self.pending
+        return self.store.check([self.spec.key("gen", generation.index, "cancel")])
+
     def _ready(self) -> bool:
         generation, _ = self.pending
         if self.member not in generation.members:
@@ -288,8 +298,11 @@ class ElasticMember:
             moved = reshuffle(self.models.rank_layers, self.group.process_group, old_size, new_size,
                               self.models.num_local, load, timeout_s=self.spec.timeout_s).bytes_moved
             self.reshuffling = False
-        if self.group.rank == 0:
-            self.store.set(self.spec.key("gen", generation.index, "switch"), f"{self.step},{old_size}")
+        if self.group.rank == 0:  # the commit point: after it the coordinator counts the new generation
+            key, value = self.spec.key("gen", generation.index, "switch"), f"{self.step},{old_size}"
+            if self.store.compare_set(key, "", value).decode() != value:  # given up there: a member died
+                raise LostPeer(f"member {self.member}: the resize to generation {generation.index} was given "
+                               f"up by the coordinator, a member of generation {self.group.generation.index} died")
         self.pending, self.next_generation = None, generation.index + 1
         if self.member not in generation.members:
             self.result.left_at_step = self.step

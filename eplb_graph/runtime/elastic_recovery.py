@@ -85,10 +85,14 @@ def reload_lost_experts(layers: list[RankLayer], recovered: torch.Tensor, old_ra
     return loaded
 
 
+class LostPeer(RuntimeError):
+    """A member learned from the coordinator, not from a collective, that its group lost a peer."""
+
+
 def is_lost_peer(error: BaseException) -> bool:
     """A gloo collective that failed because a peer is gone (reset, closed, or timed out)."""
     text = str(error)
-    return isinstance(error, RuntimeError) and any(
+    return isinstance(error, LostPeer) or isinstance(error, RuntimeError) and any(
         sign in text for sign in ("Connection reset", "Connection closed", "Read error", "Timed out", "timed out"))
 
 

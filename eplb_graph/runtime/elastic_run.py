@@ -160,6 +160,8 @@ class ElasticRun:
                     self.requests[-1].outcome = self.outcome(self.requests[-1])
                     if self.requests[-1].outcome == "switched":
                         self.members, self.current = self.requests[-1].members, self.requests[-1].generation
+                        for member in self.dead_joiners(self.requests[-1]):
+                            self.recover_without(member)
                         if resize_steps:
                             self.top_up_spares(spares)
                 elif not resize_steps and self.spares:
@@ -191,12 +193,19 @@ class ElasticRun:
                 del self.kills[member]
 
     def recover_without(self, member: int) -> bool:
-        """A member died: a pending resize is given up, and the survivors get a recovery generation;
-        False where there was nothing to recover (a spare or a joiner that never served) or
-        nothing to recover with (then ``failures`` says why)."""
-        self.dead[member] = self.killed_s.get(member, time.monotonic())
-        if self.requests and self.requests[-1].outcome == "pending":
-            request = self.requests[-1]
+        """A member died: the survivors get a recovery generation. A pending resize it broke the
+        serving group of is given up here, unless rank 0 switched first; one it was to join, rank 0
+        gives up (a switch written meanwhile wins, and the joiner is recovered from once it is seen).
+        False where there was nothing to recover (a spare or a joiner that never served) or nothing
+        to recover with (then ``failures`` says why)."""
+        self.dead.setdefault(member, self.killed_s.get(member, time.monotonic()))
+        request = self.requests[-1] if self.requests and self.requests[-1].outcome == "pending" else None
+        if request is not None and member in request.members and member not in self.members:
+            # a joiner: the serving group is intact, and rank 0 settles the resize at its next step
+            # (given up; or switched already, and then ``dead_joiners`` names it to recover from)
+            self.store.set(self.spec.key("gen", request.generation, "cancel"), str(member))
+            return False
+        if request is not None and member in self.members:  # the serving group broke: nobody else settles it
             key = self.spec.key("gen", request.generation, "switch")
             won = self.store.compare_set(key, "", ABANDONED).decode() == ABANDONED
             request.outcome = "abandoned" if won else "switched"
@@ -216,6 +225,11 @@ class ElasticRun:
         announce_generation(self.store, self.spec.name, Generation(index, survivors))
         self.store.set(self.spec.key("recovery", self.current), str(index))
         return True
+
+    def dead_joiners(self, request: ResizeRequest) -> list[int]:
+        """Members of a resize that switched who died before it did: recovered from now, as members
+        of the generation serving."""
+        return [member for member in request.members if member in self.dead] if request.outcome == "switched" else []
 
     def release_spares(self) -> None:
         """No resize is left: the spares end without serving."""

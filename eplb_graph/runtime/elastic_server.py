@@ -215,8 +215,10 @@ class ElasticServer:
                 time.sleep(0.02)
             if request.outcome != "switched":
                 failed = {m: why for m, why in self.failed_members.items() if m in request.members}
+                died = [m for m in request.members if m in run.dead and m not in failed]
                 raise ScaleError(500, f"Scale failed: the resize to {new_size} ranks was {request.outcome}"
-                                      + "".join(f"; member {m} failed: {why}" for m, why in failed.items()))
+                                      + "".join(f"; member {m} failed: {why}" for m, why in failed.items())
+                                      + "".join(f"; member {m} died" for m in died))
             return f"Scaled to {new_size} data parallel engines"
         finally:
             with self.lock:  # after the switch (or not): the held requests go to the group serving now
@@ -268,6 +270,8 @@ class ElasticServer:
                     request.outcome = run.outcome(request)
                     if request.outcome == "switched":
                         self._switched(request)
+                        for member in run.dead_joiners(request):
+                            self.stats.recoveries += run.recover_without(member)
                     elif request.outcome == "abandoned":  # its joiners leave: warm up others for the next
                         run.top_up_spares(self.spares)
                 self._collect_results()

@@ -54,10 +54,32 @@ def test_requests_complete_exactly_once_through_resizes_under_traffic():
 
 
 @pytest.mark.launches
-def test_a_member_killed_under_traffic_loses_no_request_and_is_replaced():
+def test_a_member_killed_under_traffic_loses_no_request_and_is_replaced(monkeypatch):
     server = ElasticServer(RunConfig(mode="eager", ranks=2), 4).start()
     results, stop, clients = start_clients(server)
     try:
+        # a joiner killed while its resize is held by a drain (one that lasts until the death is seen), at once
+        # and once it said ready: the resize is given up (500, naming it), never switched onto a group
+        # with a dead member, and the other joiner leaves without an error; the group serves on at 2
+        for once_ready in (False, True):
+            killed, in_flight = threading.Event(), server.in_flight
+            monkeypatch.setattr(server, "in_flight", lambda: not killed.is_set() or in_flight())
+            long_one = server.submit([1], 15)
+            scaling, outcome = scale_in_background(server, 4, drain_timeout=60)
+            wait_until(lambda: server.coordinator.requests and server.coordinator.requests[-1].outcome == "pending")
+            resize = server.coordinator.requests[-1]
+            joiner = resize.members[-1]
+            ready = server.spec.key("gen", resize.generation, "ready", joiner)
+            wait_until(lambda: not once_ready or server.store.check([ready]))
+            server.coordinator.processes[joiner].kill()
+            wait_until(lambda: joiner in server.coordinator.dead)  # the coordinator saw it before the drain ends
+            killed.set()
+            scaling.join(120)
+            monkeypatch.undo()
+            assert outcome == [(500, f"Scale failed: the resize to 4 ranks was abandoned; member {joiner} died")]
+            assert server.ranks == 2 and server.result(long_one)["matches_reference"]
+            other_joiner = server.coordinator.processes[resize.members[-2]]
+            wait_until(lambda: not other_joiner.is_alive())  # nothing the resize prepared is kept
         assert server.scale(4) == "Scaled to 4 data parallel engines"
         # rank 0, at once: the joiners may still be taking their experts over the new group
         server.coordinator.processes[0].kill()
@@ -69,7 +91,24 @@ def test_a_member_killed_under_traffic_loses_no_request_and_is_replaced():
         stop_clients(server, stop, clients)
     assert results and all(r["matches_reference"] for r in results)
     assert server.stats.recoveries == 1 and server.stats.reconfigurations == 3
-    assert server.stats.requests_submitted == len(results) + 1  # every one came back, once
+    assert server.stats.member_failures == 0
+    assert server.stats.requests_submitted == len(results) + 3  # every one came back, once
+
+
+def scale_in_background(server, size, **kwargs):
+    """``server.scale`` on a thread; (the thread, [its outcome: 200, or (status, message)])."""
+    outcome = []
+
+    def scale():
+        try:
+            server.scale(size, **kwargs)
+            outcome.append(200)
+        except ScaleError as error:
+            outcome.append((error.status, str(error)))
+
+    thread = threading.Thread(target=scale)
+    thread.start()
+    return thread, outcome
 
 
 def wait_until(condition, timeout_s=120.0):
