@@ -184,12 +184,22 @@ class ElasticEpGroup:
     def standby_failed(self) -> BaseException | None:
         return self._standby_error if self.standby_ready() else None
 
+    def wait_standby(self, timeout_s: float) -> bool:
+        """Blocks up to ``timeout_s`` for the standby build (and its ``after_build``); True once it ended."""
+        if self._standby_thread is None:
+            raise ElasticGroupError(f"EP group {self.name!r} has no standby generation being built")
+        self._standby_thread.join(timeout_s)
+        return self.standby_ready()
+
     def switch_(self) -> Generation:
         """The standby generation becomes current (between two steps); the old group is shut down."""
         if not self.standby_ready():
             raise ElasticGroupError(f"EP group {self.name!r} has no standby generation built to switch to")
         self._standby_thread = None
         if self._standby_error is not None:
+            if self._standby is not None and self._standby[1] is not None:  # built, then its after_build failed
+                self._standby[1].shutdown()
+            self._standby = None
             raise ElasticGroupError(f"building the standby EP group failed: {self._standby_error}") from self._standby_error
         generation, groups = self._standby
         self._standby = None

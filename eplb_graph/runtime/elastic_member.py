@@ -44,7 +44,9 @@ import torch.distributed as dist
 
 from eplb_graph.runtime.compile import prepare_forward, unique_graphs
 from eplb_graph.runtime.elastic_eplb import ElasticEplb, elastic_eplb_session
-from eplb_graph.runtime.elastic_group import ElasticEpGroup, Generation, generation_announced, read_generation
+from eplb_graph.runtime.elastic_group import (
+    ElasticEpGroup, ElasticGroupError, Generation, generation_announced, read_generation,
+)
 from eplb_graph.runtime.elastic_recovery import LostPeer, is_lost_peer, recover, serve_lost_batches
 from eplb_graph.runtime.elastic_reshuffle import reshuffle
 from eplb_graph.runtime.elastic_spec import ABANDONED, ElasticSpec, MemberResult, ResizeAbandoned
@@ -98,10 +100,15 @@ class ElasticMember:
 
     def join(self, index: int) -> None:
         started = time.monotonic()
+        generation = read_generation(self.store, self.spec.name, index, self.spec.timeout_s)
+        self.group.build_standby(generation, after_build=lambda pg: receive_state(self.models, pg, self.spec.timeout_s))
+        while not self.group.wait_standby(0.05):  # a build blocked on a dead peer ends by its timeout: leave before
+            if self._abandoned(index):
+                self.group.abandon_standby()
+                raise ResizeAbandoned(f"member {self.member}: the resize to generation {index} was given up")
         try:
-            generation = self.group.join(index)
-            receive_state(self.models, self.group.process_group, self.spec.timeout_s)
-        except Exception:  # a group given up under us (a peer gone) is not this member's failure:
+            self.group.switch_()
+        except ElasticGroupError:  # a group given up under us (a peer gone) is not this member's failure:
             self._wait_for_switch(index)  # rank 0 gives the resize up (bounded): ResizeAbandoned
             raise
         self.result.join_prepare_s = time.monotonic() - started
@@ -129,14 +136,14 @@ class ElasticMember:
             self.store.wait([key], timedelta(seconds=self.spec.deadline_s + self.spec.timeout_s))
         except RuntimeError as error:  # DistStoreError: the wait timed out
             raise ResizeAbandoned(f"member {self.member}: no switch to generation {index} within the deadline") from error
-        self._check_not_abandoned(index)
+        if self._abandoned(index):
+            raise ResizeAbandoned(f"member {self.member}: the resize to generation {index} was given up")
         step, old_size = map(int, self.store.get(key).decode().split(","))
         return step, old_size
 
-    def _check_not_abandoned(self, index: int) -> None:
+    def _abandoned(self, index: int) -> bool:
         key = self.spec.key("gen", index, "switch")
-        if self.store.check([key]) and self.store.get(key).decode() == ABANDONED:
-            raise ResizeAbandoned(f"member {self.member}: the resize to generation {index} was given up")
+        return self.store.check([key]) and self.store.get(key).decode() == ABANDONED
 
     # -- serving -----------------------------------------------------------------------
 

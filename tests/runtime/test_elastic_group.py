@@ -49,7 +49,7 @@ def test_the_slot_serves_the_ops_and_switches_to_a_standby_generation(store):
         group.join(0)
         assert group.current() == (None, 0, 1) and EP_GROUPS.resolve("g-switch") is group
         group.build_standby(Generation(1, (7,)))
-        group._standby_thread.join()
+        assert group.wait_standby(5)
         assert group.standby_ready() and group.standby_failed() is None
         assert group.switch_().index == 1 and group.generation.index == 1
         with pytest.raises(ElasticGroupError, match="no standby generation"):
@@ -66,11 +66,26 @@ def test_a_standby_larger_than_the_maximum_fails_and_the_current_group_serves_on
         announce_generation(store, "g-big", Generation(0, (0,)))
         group.join(0)
         group.build_standby(Generation(1, (0, 1, 2)))
-        group._standby_thread.join()
+        assert group.wait_standby(5)
         assert "more than the group's maximum 2" in str(group.standby_failed())
         with pytest.raises(ElasticGroupError, match="building the standby EP group failed"):
             group.switch_()
         assert group.current() == (None, 0, 1) and group.generation.index == 0
+    finally:
+        group.leave()
+
+
+def test_a_standby_waiting_for_a_member_that_never_comes_can_be_given_up_without_waiting(store):
+    group = ElasticEpGroup("g-wait", store, member=0, max_size=2, timeout_s=60)
+    try:
+        announce_generation(store, "g-wait", Generation(0, (0,)))
+        group.join(0)
+        group.build_standby(Generation(1, (0, 1)))  # member 1 never builds its side
+        assert not group.wait_standby(0.2) and not group.standby_ready()
+        group.abandon_standby()  # returns at once; the build ends by its own timeout, in a thread
+        with pytest.raises(ElasticGroupError, match="no standby generation being built"):
+            group.wait_standby(0.1)
+        assert group.current() == (None, 0, 1)
     finally:
         group.leave()
 
