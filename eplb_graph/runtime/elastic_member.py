@@ -24,7 +24,8 @@ at its size. A resize:
 Rank 0's write of the switch is the resize's commit point, a compare-and-set against the
 coordinator's: a joiner that dies before it makes the coordinator ask rank 0 to give the
 resize up (``cancel``, read with the release), and a member of the serving group that dies
-makes the coordinator give it up itself, so the two never both win.
+makes the coordinator give it up itself, so the two never both win; the other members read
+the winner before they switch or leave (``settle_switch``).
 
 No graph is compiled or captured on the serving path: every shape is the maximum size's.
 
@@ -47,9 +48,9 @@ from eplb_graph.runtime.elastic_eplb import ElasticEplb, elastic_eplb_session
 from eplb_graph.runtime.elastic_group import (
     ElasticEpGroup, ElasticGroupError, Generation, generation_announced, read_generation,
 )
-from eplb_graph.runtime.elastic_recovery import LostPeer, is_lost_peer, recover, serve_lost_batches
+from eplb_graph.runtime.elastic_recovery import is_lost_peer, recover, serve_lost_batches
 from eplb_graph.runtime.elastic_reshuffle import reshuffle
-from eplb_graph.runtime.elastic_spec import ABANDONED, ElasticSpec, MemberResult, ResizeAbandoned
+from eplb_graph.runtime.elastic_spec import ABANDONED, ElasticSpec, MemberResult, ResizeAbandoned, settle_switch
 from eplb_graph.runtime.elastic_stack import build_elastic_models, receive_state, send_state
 from eplb_graph.runtime.step import check_output
 from eplb_graph.runtime.workload import make_batch
@@ -305,11 +306,9 @@ class ElasticMember:
             moved = reshuffle(self.models.rank_layers, self.group.process_group, old_size, new_size,
                               self.models.num_local, load, timeout_s=self.spec.timeout_s).bytes_moved
             self.reshuffling = False
-        if self.group.rank == 0:  # the commit point: after it the coordinator counts the new generation
-            key, value = self.spec.key("gen", generation.index, "switch"), f"{self.step},{old_size}"
-            if self.store.compare_set(key, "", value).decode() != value:  # given up there: a member died
-                raise LostPeer(f"member {self.member}: the resize to generation {generation.index} was given "
-                               f"up by the coordinator, a member of generation {self.group.generation.index} died")
+        # the commit point (after it the coordinator counts the new generation); given up: recover
+        settle_switch(self.store, self.spec.key("gen", generation.index, "switch"), f"{self.step},{old_size}",
+                      commit=self.group.rank == 0, timeout_s=self.spec.timeout_s)
         self.pending, self.next_generation = None, generation.index + 1
         if self.member not in generation.members:
             self.result.left_at_step = self.step

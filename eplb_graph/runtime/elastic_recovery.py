@@ -24,6 +24,7 @@ from eplb_graph.models.reference import build_reference_model
 from eplb_graph.runtime.config import RunConfig
 from eplb_graph.runtime.controller import RankLayer
 from eplb_graph.runtime.elastic_reshuffle import from_rank_0
+from eplb_graph.runtime.elastic_spec import LostPeer
 from eplb_graph.runtime.stack import logical_layer
 
 
@@ -83,10 +84,6 @@ def reload_lost_experts(layers: list[RankLayer], recovered: torch.Tensor, old_ra
         layer.commit_placement_(placement)
         layer.tables.reset_load_()
     return loaded
-
-
-class LostPeer(RuntimeError):
-    """A member learned from the coordinator, not from a collective, that its group lost a peer."""
 
 
 def is_lost_peer(error: BaseException) -> bool:

@@ -3,7 +3,8 @@
 The coordinator (``elastic_run``, ``elastic_server``) hands every member process the same
 spec; members meet in its TCP store, under keys it names. A resize given up writes
 ``ABANDONED`` as its generation's switch value, which a joining member waiting for that
-switch reads as ``ResizeAbandoned``.
+switch reads as ``ResizeAbandoned``, and a member of the serving group (``settle_switch``)
+as ``LostPeer``.
 """
 
 from __future__ import annotations
@@ -62,3 +63,24 @@ ABANDONED = "abandoned"  # the value of a generation's switch key when its resiz
 
 class ResizeAbandoned(RuntimeError):
     """A joining member's resize was given up before it switched: it leaves without serving."""
+
+
+class LostPeer(RuntimeError):
+    """A member learned from the coordinator, not from a collective, that its group lost a peer."""
+
+
+def settle_switch(store: dist.Store, key: str, value: str, *, commit: bool, timeout_s: float) -> None:
+    """A resize's commit point, with one outcome for every member of the serving group: rank 0
+    (``commit``) writes its switch ``value`` unless the coordinator wrote ``ABANDONED`` first (a
+    member died), and the others wait to read which of the two won, so no member switches while
+    another recovers. Raises ``LostPeer`` where the resize was given up or nothing was written."""
+    if commit:
+        won = store.compare_set(key, "", value).decode()
+    else:
+        try:
+            store.wait([key], timedelta(seconds=timeout_s))
+        except RuntimeError:  # DistStoreError: rank 0 neither switched nor died where the coordinator saw it
+            raise LostPeer(f"no switch was written under {key} within {timeout_s:.0f} s") from None
+        won = store.get(key).decode()
+    if won == ABANDONED:
+        raise LostPeer(f"the resize was given up ({key}): a member of the serving group died")
