@@ -150,8 +150,9 @@ class ElasticRun:
         started = time.monotonic()
         try:
             while len(self.done) + len(self.failures) + len(self.dead) < len(self.processes):
-                for member in self._collect():
-                    self.recover_without(member)
+                lost = self._collect()
+                if lost:
+                    self.recover_without(lost)
                 if self.failures or time.monotonic() - started > timeout_s:
                     break
                 self._kill_planned()
@@ -160,8 +161,8 @@ class ElasticRun:
                     self.requests[-1].outcome = self.outcome(self.requests[-1])
                     if self.requests[-1].outcome == "switched":
                         self.members, self.current = self.requests[-1].members, self.requests[-1].generation
-                        for member in self.dead_joiners(self.requests[-1]):
-                            self.recover_without(member)
+                        if self.dead_members(self.requests[-1]):
+                            self.recover_without(self.dead_members(self.requests[-1]))
                         if resize_steps:
                             self.top_up_spares(spares)
                 elif not resize_steps and self.spares:
@@ -192,43 +193,46 @@ class ElasticRun:
                 self.killed_s[member] = time.monotonic()
                 del self.kills[member]
 
-    def recover_without(self, member: int) -> bool:
-        """A member died: the survivors get a recovery generation. A pending resize it broke the
-        serving group of is given up here, unless rank 0 switched first; one it was to join, rank 0
-        gives up (a switch written meanwhile wins, and the joiner is recovered from once it is seen).
-        False where there was nothing to recover (a spare or a joiner that never served) or nothing
-        to recover with (then ``failures`` says why)."""
-        self.dead.setdefault(member, self.killed_s.get(member, time.monotonic()))
+    def recover_without(self, members: list[int]) -> bool:
+        """Members died (every death seen at once: one recovery leaves them all out): the survivors
+        get a recovery generation. A pending resize they broke the serving group of is given up
+        here; one they were to join, rank 0 gives up. A switch written first wins, and the members
+        that died are recovered from once it is seen (``dead_members``). False where there was
+        nothing to recover (spares, joiners that never served) or nothing to recover with (then
+        ``failures`` says why)."""
+        for member in members:
+            self.dead.setdefault(member, self.killed_s.get(member, time.monotonic()))
         request = self.requests[-1] if self.requests and self.requests[-1].outcome == "pending" else None
-        if request is not None and member in request.members and member not in self.members:
-            # a joiner: the serving group is intact, and rank 0 settles the resize at its next step
-            # (given up; or switched already, and then ``dead_joiners`` names it to recover from)
-            self.store.set(self.spec.key("gen", request.generation, "cancel"), str(member))
-            return False
-        if request is not None and member in self.members:  # the serving group broke: nobody else settles it
+        joiners = [m for m in members if request is not None and m in request.members and m not in self.members]
+        if joiners:  # the serving group is intact, and rank 0 settles the resize at its next step
+            # (given up; or switched already, and then ``dead_members`` names them to recover from)
+            self.store.set(self.spec.key("gen", request.generation, "cancel"), ",".join(map(str, joiners)))
+        serving = [m for m in members if m in self.members]
+        if request is not None and serving:  # the serving group broke: nobody else settles the resize
             key = self.spec.key("gen", request.generation, "switch")
-            won = self.store.compare_set(key, "", ABANDONED).decode() == ABANDONED
-            request.outcome = "abandoned" if won else "switched"
-            if not won:
-                self.members, self.current = request.members, request.generation
-        if member not in self.members:
-            return False  # a spare or a joiner that never served: nothing to recover
+            if self.store.compare_set(key, "", ABANDONED).decode() != ABANDONED:
+                return False  # rank 0 switched first: once that is seen, its dead are recovered from
+            request.outcome = "abandoned"
+        if not serving:
+            return False
         # the first survivor is the new rank 0; a member that died before (its recovery given up) is no survivor
         survivors = tuple(m for m in self.members if m not in self.dead)
         if len(survivors) * self.num_local < self.spec.cfg.num_experts:
-            self.failures[member] = (f"died and cannot be recovered from: {len(survivors)} survivors x "
-                                     f"{self.num_local} slots cannot host {self.spec.cfg.num_experts} experts")
+            for member in serving:
+                self.failures[member] = (f"died and cannot be recovered from: {len(survivors)} survivors x "
+                                         f"{self.num_local} slots cannot host {self.spec.cfg.num_experts} experts")
             return False
         index, self.next_index = self.next_index, self.next_index + 1
         self.requests.append(ResizeRequest(index, len(self.members), len(survivors), time.monotonic(),
-                                           self.progress(), survivors, kind="recovery", died_s=self.dead[member]))
+                                           self.progress(), survivors, kind="recovery",
+                                           died_s=min(self.dead[m] for m in serving)))
         announce_generation(self.store, self.spec.name, Generation(index, survivors))
         self.store.set(self.spec.key("recovery", self.current), str(index))
         return True
 
-    def dead_joiners(self, request: ResizeRequest) -> list[int]:
-        """Members of a resize that switched who died before it did: recovered from now, as members
-        of the generation serving."""
+    def dead_members(self, request: ResizeRequest) -> list[int]:
+        """Members of a resize that switched who died before the switch was seen (joiners, or serving
+        members that died as it switched): recovered from now, as members of the generation serving."""
         return [member for member in request.members if member in self.dead] if request.outcome == "switched" else []
 
     def release_spares(self) -> None:

@@ -234,13 +234,15 @@ class ElasticServer:
         deadline = time.monotonic() + timeout_s
         while self.in_flight() and request.outcome == "pending":
             if time.monotonic() > deadline:
-                run.release(request.generation, go=False)
+                with self.lock:  # the store's master client is the watch thread's too
+                    run.release(request.generation, go=False)
                 while request.outcome == "pending" and time.monotonic() < deadline + self.spec.timeout_s:
                     time.sleep(0.02)
                 raise ScaleError(408, f"Scale failed due to request drain timeout after {timeout_s} seconds; "
                                       f"the resize to {request.new_size} ranks was {request.outcome}")
             time.sleep(0.02)
-        run.release(request.generation, go=True)
+        with self.lock:
+            run.release(request.generation, go=True)
 
     # -- the coordinator's loop --------------------------------------------------------
 
@@ -260,8 +262,8 @@ class ElasticServer:
         while not self._stop.is_set():
             lost = run._collect() + self._failed_since()
             with self.lock:
-                for member in lost:  # its requests are re-queued once the survivors switched
-                    self.stats.recoveries += run.recover_without(member)
+                if lost:  # their requests are re-queued once the survivors switched
+                    self.stats.recoveries += run.recover_without(lost)
                 if run.failures:  # a loss the group cannot recover from: every call says so from now on
                     raise RuntimeError(f"the EP group cannot keep serving: {run.failures}"
                                        + "".join(f"; member {m} had failed: {why}" for m, why in self.failed_members.items()))
@@ -270,8 +272,8 @@ class ElasticServer:
                     request.outcome = run.outcome(request)
                     if request.outcome == "switched":
                         self._switched(request)
-                        for member in run.dead_joiners(request):
-                            self.stats.recoveries += run.recover_without(member)
+                        if run.dead_members(request):
+                            self.stats.recoveries += run.recover_without(run.dead_members(request))
                     elif request.outcome == "abandoned":  # its joiners leave: warm up others for the next
                         run.top_up_spares(self.spares)
                 self._collect_results()

@@ -1,14 +1,18 @@
 """``runtime/elastic_run.py`` with its members: the group resized 2 -> 4 -> 2 while it serves.
 
 Real processes joined through a TCP store, real gloo groups, upstream's policy and weight
-move; every step of every member checked against the one-process reference.
+move; every step of every member checked against the one-process reference. The coordinator's
+bookkeeping of deaths is also read alone, over its store, with no process started.
 """
 
 import pytest
 
 from eplb_graph.runtime.config import RunConfig
 from eplb_graph.runtime.elastic_report import failed_elastic_invariants, summarize_elastic
-from eplb_graph.runtime.elastic_run import parse_scale_plan, run_elastic
+from eplb_graph.runtime.elastic_group import read_generation
+from eplb_graph.runtime.elastic_run import ElasticRun, ResizeRequest, parse_scale_plan, run_elastic
+from eplb_graph.runtime.elastic_spec import ABANDONED, ElasticSpec
+from eplb_graph.runtime.launch import free_port
 
 
 @pytest.mark.launches  # rank processes: left out by make test-fast
@@ -76,3 +80,46 @@ def test_a_member_killed_mid_run_is_recovered_from_with_nothing_lost_and_later_r
 def test_a_plan_that_is_not_one_is_refused(text, message):
     with pytest.raises(ValueError, match=message):
         parse_scale_plan(text)
+
+
+def _coordinator(members: tuple[int, ...]) -> ElasticRun:
+    """A coordinator serving generation 0 of ``members``, none of them a process."""
+    run = ElasticRun(ElasticSpec(RunConfig(ranks=2), 4, "127.0.0.1", free_port(), timeout_s=5), (2, 4))
+    run.members = members
+    return run
+
+
+def test_members_that_die_together_are_left_out_of_one_recovery():
+    run = _coordinator((0, 1, 2, 3))
+    assert run.recover_without([1, 2])
+    recovery = run.requests[-1]
+    assert (recovery.kind, recovery.generation, recovery.members) == ("recovery", 1, (0, 3))
+    assert int(run.store.get(run.spec.key("recovery", 0))) == 1
+    assert read_generation(run.store, run.spec.name, 1, 5).members == (0, 3)
+    assert run.next_index == 2  # one generation announced, not one per death
+
+
+def test_a_death_the_switch_beat_is_recovered_from_in_the_new_generation():
+    run = _coordinator((0, 1))
+    resize = ResizeRequest(1, 2, 4, 0.0, 40, (0, 1, 2, 3))
+    run.requests.append(resize)
+    run.next_index = 2
+    run.store.set(run.spec.key("gen", 1, "switch"), "40,2")  # rank 0 wrote it before member 1 was seen dead
+    assert not run.recover_without([1, 3])  # the resize is not given up, and nothing is announced yet
+    assert run.store.get(run.spec.key("gen", 1, "switch")) == b"40,2" and len(run.requests) == 1
+    resize.outcome = run.outcome(resize)
+    run.members, run.current = resize.members, resize.generation
+    assert run.dead_members(resize) == [1, 3]
+    assert run.recover_without(run.dead_members(resize))
+    assert run.requests[-1].members == (0, 2) and int(run.store.get(run.spec.key("recovery", 1))) == 2
+
+
+def test_a_serving_member_that_dies_before_the_switch_gives_the_resize_up():
+    run = _coordinator((0, 1, 2))
+    resize = ResizeRequest(1, 3, 4, 0.0, 40, (0, 1, 2, 3))
+    run.requests.append(resize)
+    run.next_index = 2
+    assert run.recover_without([1])
+    assert resize.outcome == "abandoned" and run.store.get(run.spec.key("gen", 1, "switch")) == ABANDONED.encode()
+    assert run.requests[-1].members == (0, 2) and int(run.store.get(run.spec.key("recovery", 0))) == 2
+    assert not run.recover_without([2]) and "cannot host 16 experts" in run.failures[2]  # 1 x 10 slots left
