@@ -94,12 +94,13 @@ def is_lost_peer(error: BaseException) -> bool:
 
 
 def requeued_requests(dead: dict[int, int], dead_ranks: dict[int, int], failed_ranks: list[int],
-                      resume_step: int) -> list[tuple[int, int]]:
+                      resume_step: int, first_step: int = 0) -> list[tuple[int, int]]:
     """The (step, rank) requests no survivor completed: the dead members' steps after the last one
-    each completed (``dead``: member -> last served step, -1 for none), and the step before
+    each completed (``dead``: member -> last served step, -1 for none) and from the broken
+    generation's ``first_step`` on (a joiner owes nothing from before it), and the step before
     ``resume_step`` of the survivors whose forward failed (``failed_ranks``, old ranks)."""
     requests = {(step, dead_ranks[member]) for member, served in dead.items()
-                for step in range(served + 1, resume_step)}
+                for step in range(max(served + 1, first_step), resume_step)}
     requests |= {(resume_step - 1, rank) for rank in failed_ranks}
     return sorted(requests)
 
@@ -172,8 +173,10 @@ def serve_lost_batches(member, broken, generation, resume: int) -> int:
     failed = _all_max(failed, group.process_group)
     dead = [m for m in broken.members if m not in generation.members]
     served = {m: _last_served(store, spec.key("served_log", m)) for m in dead}
+    switch = spec.key("gen", broken.index, "switch")  # "first step,old size"; generation 0 has none
+    first_step = int(store.get(switch).decode().split(",")[0]) if broken.index > 0 else 0
     requests = requeued_requests(served, {m: broken.rank_of(m) for m in dead},
-                                 torch.nonzero(failed).flatten().tolist(), resume)
+                                 torch.nonzero(failed).flatten().tolist(), resume, first_step)
     for start in range(0, len(requests), generation.size):
         chunk = requests[start : start + generation.size]
         step, rank = chunk[group.rank] if group.rank < len(chunk) else (0, None)

@@ -4,6 +4,8 @@ The member's whole life in a group (join, serve, switch, leave) runs with its pe
 ``test_elastic_run.py`` and ``test_elastic_server.py``.
 """
 
+from datetime import timedelta
+
 import pytest
 
 from eplb_graph.runtime.config import RunConfig
@@ -22,6 +24,8 @@ def test_a_joiner_blocked_on_a_peer_that_never_comes_leaves_once_its_resize_is_g
     try:
         run.start(5, 1)
         announce_generation(run.store, spec.name, Generation(1, (5, 6)))
+        # gloo's rendezvous key of rank 0 (member 5) under the group's prefix: it is inside the build
+        run.store.wait([f"{spec.name}/gen1/pg//0/0"], timedelta(seconds=300))
         run.store.set(spec.key("gen", 1, "switch"), ABANDONED)
         member, ok, result = run.results.get(timeout=120)
         assert (member, ok) == (5, True)

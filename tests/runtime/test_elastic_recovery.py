@@ -45,6 +45,11 @@ def test_the_dead_members_in_flight_steps_and_the_failed_forwards_are_served_aga
     assert requeued_requests({3: 50}, {3: 2}, [], 51) == []  # it had completed everything
 
 
+def test_a_joiner_that_died_before_it_served_owes_only_its_generations_steps():
+    # joined the generation that first served step 49, killed before it completed one
+    assert requeued_requests({3: -1}, {3: 3}, [], resume_step=51, first_step=49) == [(49, 3), (50, 3)]
+
+
 def test_a_lost_peer_is_told_from_other_errors():
     assert is_lost_peer(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]: Connection reset by peer"))
     assert not is_lost_peer(RuntimeError("shape mismatch"))
