@@ -191,6 +191,20 @@ class ElasticEpGroup:
         self._standby_thread.join(timeout_s)
         return self.standby_ready()
 
+    def switch_when_built(self, generation: Generation, given_up: Callable[[], bool],
+                          after_build: Callable[[dist.ProcessGroup], None] | None = None) -> bool:
+        """Builds ``generation``'s group on a thread and makes it current; False, with the build
+        abandoned, where ``given_up()`` turns true first (polled: a build blocked on a member that
+        died before its rendezvous would otherwise wait out the whole timeout). A failed build
+        raises ``ElasticGroupError``."""
+        self.build_standby(generation, after_build)
+        while not self.wait_standby(0.05):
+            if given_up():
+                self.abandon_standby()
+                return False
+        self.switch_()
+        return True
+
     def switch_(self) -> Generation:
         """The standby generation becomes current (between two steps); the old group is shut down."""
         if not self.standby_ready():

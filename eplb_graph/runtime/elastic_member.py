@@ -50,7 +50,9 @@ from eplb_graph.runtime.elastic_group import (
 )
 from eplb_graph.runtime.elastic_recovery import is_lost_peer, recover, serve_lost_batches
 from eplb_graph.runtime.elastic_reshuffle import reshuffle
-from eplb_graph.runtime.elastic_spec import ABANDONED, ElasticSpec, MemberResult, ResizeAbandoned, settle_switch
+from eplb_graph.runtime.elastic_spec import (
+    ABANDONED, ElasticSpec, MemberResult, ResizeAbandoned, given_up, settle_switch,
+)
 from eplb_graph.runtime.elastic_stack import build_elastic_models, receive_state, send_state
 from eplb_graph.runtime.step import check_output
 from eplb_graph.runtime.workload import make_batch
@@ -102,16 +104,14 @@ class ElasticMember:
     def join(self, index: int) -> None:
         started = time.monotonic()
         generation = read_generation(self.store, self.spec.name, index, self.spec.timeout_s)
-        self.group.build_standby(generation, after_build=lambda pg: receive_state(self.models, pg, self.spec.timeout_s))
-        while not self.group.wait_standby(0.05):  # a build blocked on a dead peer ends by its timeout: leave before
-            if self._abandoned(index):
-                self.group.abandon_standby()
-                raise ResizeAbandoned(f"member {self.member}: the resize to generation {index} was given up")
         try:
-            self.group.switch_()
+            switched = self.group.switch_when_built(generation, given_up=lambda: self._abandoned(index),
+                                                    after_build=lambda pg: receive_state(self.models, pg, self.spec.timeout_s))
         except ElasticGroupError:  # a group given up under us (a peer gone) is not this member's failure:
             self._wait_for_switch(index)  # rank 0 gives the resize up (bounded): ResizeAbandoned
             raise
+        if not switched:
+            raise ResizeAbandoned(f"member {self.member}: the resize to generation {index} was given up")
         self.result.join_prepare_s = time.monotonic() - started
         self.store.set(self.spec.key("gen", index, "ready", self.member), "1")
         self.step, old_size = self._wait_for_switch(index)
@@ -143,8 +143,7 @@ class ElasticMember:
         return step, old_size
 
     def _abandoned(self, index: int) -> bool:
-        key = self.spec.key("gen", index, "switch")
-        return self.store.check([key]) and self.store.get(key).decode() == ABANDONED
+        return given_up(self.store, self.spec.key("gen", index, "switch"))
 
     # -- serving -----------------------------------------------------------------------
 

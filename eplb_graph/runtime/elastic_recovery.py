@@ -23,8 +23,9 @@ import torch.distributed as dist
 from eplb_graph.models.reference import build_reference_model
 from eplb_graph.runtime.config import RunConfig
 from eplb_graph.runtime.controller import RankLayer
+from eplb_graph.runtime.elastic_group import ElasticGroupError, read_generation
 from eplb_graph.runtime.elastic_reshuffle import from_rank_0
-from eplb_graph.runtime.elastic_spec import LostPeer
+from eplb_graph.runtime.elastic_spec import LostPeer, given_up, settle_switch
 from eplb_graph.runtime.stack import logical_layer
 
 
@@ -107,44 +108,77 @@ def requeued_requests(dead: dict[int, int], dead_ranks: dict[int, int], failed_r
 
 def recover(member, error: str) -> None:
     """An ``ElasticMember`` after a collective failed on a lost peer: join the survivors' generation
-    the coordinator announces, recover the placement, serve what the dead left in flight."""
-    spec, store, group, cfg = member.spec, member.store, member.group, member.cfg
+    the coordinator announces, recover the placement, serve what the dead left in flight. Another
+    death during the recovery makes the coordinator give that generation up and announce the next:
+    the survivors start over from the broken generation's placement, every slot from disk."""
+    spec, store, group = member.spec, member.store, member.group
     started = time.monotonic()
     broken = group.generation
-    member.eplb.discard()  # before the abort: nothing may keep the broken groups alive
-    group.abandon_standby()
-    group.abort()  # our peers still inside a collective of the broken group fail now, not at its timeout
-    member.pending = None
+    own = torch.stack([layer.tables.physical_to_logical for layer in member.models.rank_layers])  # [L, width]
+    stale, index = member.reshuffling, None
+    while True:
+        member.eplb.discard()  # before the abort: nothing may keep the broken groups alive
+        group.abandon_standby()
+        group.abort()  # our peers still inside a collective of the broken group fail now, not at its timeout
+        member.pending = None
+        index = _next_recovery(member, broken, error, after=index)
+        try:
+            loaded, requeued, resume = _recover_into(member, broken, index, own, stale)
+            break
+        except RuntimeError as failure:
+            if not (is_lost_peer(failure) or isinstance(failure, ElasticGroupError)):
+                raise
+            error, stale = str(failure), True  # weights may hold the given-up generation's placement
+    member.reshuffling = False
+    member.step, member.next_generation = resume, index + 1
+    member.result.recoveries.append({
+        "generation": index, "old_size": broken.size, "new_size": group.size,
+        "lost_members": [m for m in broken.members if m not in group.generation.members],
+        "experts_reloaded": loaded, "requests_requeued": requeued, "recovery_s": time.monotonic() - started,
+        "resume_step": resume,
+    })
+
+
+def _next_recovery(member, broken, error: str, *, after: int | None) -> int:
+    """The recovery generation the coordinator announced for ``broken``, once it is not ``after``
+    (the one just given up); bounded by the collective timeout."""
+    spec, store = member.spec, member.store
     key = spec.key("recovery", broken.index)
-    try:
-        store.wait([key], timedelta(seconds=spec.timeout_s))
-    except RuntimeError:
-        raise RuntimeError(f"member {member.member}: a peer was lost ({error}) and no recovery generation "
-                           f"came within {spec.timeout_s:.0f} s") from None
-    index = int(store.get(key))
-    generation = group.join(index)
+    deadline = time.monotonic() + spec.timeout_s
+    while time.monotonic() < deadline:
+        try:
+            store.wait([key], timedelta(seconds=max(0.1, deadline - time.monotonic())))
+        except RuntimeError:  # DistStoreError: the wait timed out
+            break
+        index = int(store.get(key))
+        if index != after:
+            return index
+        time.sleep(0.05)
+    raise RuntimeError(f"member {member.member}: a peer was lost ({error}) and no recovery generation "
+                       f"came within {spec.timeout_s:.0f} s") from None
+
+
+def _recover_into(member, broken, index: int, own: torch.Tensor, stale: bool) -> tuple[int, int, int]:
+    """One attempt at recovery generation ``index`` from ``own`` [L, width], this member's placement
+    in ``broken``; (slots loaded from disk, batches served again, the step serving resumes at)."""
+    spec, store, group, cfg = member.spec, member.store, member.group, member.cfg
+    switch = spec.key("gen", index, "switch")
+    generation = read_generation(store, spec.name, index, spec.timeout_s)
+    if not group.switch_when_built(generation, given_up=lambda: given_up(store, switch)):
+        raise LostPeer(f"recovery generation {index} was given up: another member died")
     layers, num_local = member.models.rank_layers, member.models.num_local
-    own = torch.stack([layer.tables.physical_to_logical for layer in layers])  # [L, width]
     # a failure inside a weight move can leave the members' tables a commit apart: all take rank 0's
     placement = from_rank_0(own, group.rank, group.process_group)
     recovered = surviving_placement(placement, [broken.rank_of(m) for m in generation.members], num_local,
                                     cfg.num_experts)
-    stale = member.reshuffling or not torch.equal(own, placement)  # weights unlike the agreed placement
+    stale = stale or not torch.equal(own, placement)  # weights unlike the agreed placement
     loaded = reload_lost_experts(layers, recovered, broken.rank_of(member.member), group.rank, num_local,
                                  Path(spec.expert_source), everything=stale)
-    member.reshuffling = False
     resume = _all_max(torch.tensor([member.step]), group.process_group)[0].item()
     requeued = member.serve_what_was_lost(broken, generation, resume)
-    dead = [m for m in broken.members if m not in generation.members]
-    member.step, member.next_generation = resume, index + 1
     member.eplb.start(group)
-    if group.rank == 0:
-        store.set(spec.key("gen", index, "switch"), f"{resume},{broken.size}")
-    member.result.recoveries.append({
-        "generation": index, "old_size": broken.size, "new_size": generation.size, "lost_members": dead,
-        "experts_reloaded": loaded, "requests_requeued": requeued, "recovery_s": time.monotonic() - started,
-        "resume_step": resume,
-    })
+    settle_switch(store, switch, f"{resume},{broken.size}", commit=group.rank == 0, timeout_s=spec.timeout_s)
+    return loaded, requeued, resume
 
 
 def _all_max(tensor: torch.Tensor, pg) -> torch.Tensor:
@@ -160,8 +194,10 @@ def served_log(store, key: str) -> list[list[int]]:
     return [[int(part) for part in entry.split(":")] for entry in store.get(key).decode().split(";") if entry]
 
 
-def _last_served(store, key: str) -> int:
-    return max((step for step, _, _ in served_log(store, key)), default=-1)
+def _last_served(store, key: str, rank: int, size: int) -> int:
+    """The last step a member completed as ``rank`` of a group of ``size`` (not a batch it served
+    again for a dead peer)."""
+    return max((step for step, r, n in served_log(store, key) if (r, n) == (rank, size)), default=-1)
 
 
 def serve_lost_batches(member, broken, generation, resume: int) -> int:
@@ -172,11 +208,15 @@ def serve_lost_batches(member, broken, generation, resume: int) -> int:
     failed[broken.rank_of(member.member)] = member.step < resume
     failed = _all_max(failed, group.process_group)
     dead = [m for m in broken.members if m not in generation.members]
-    served = {m: _last_served(store, spec.key("served_log", m)) for m in dead}
+    served = {m: _last_served(store, spec.key("served_log", m), broken.rank_of(m), broken.size) for m in dead}
     switch = spec.key("gen", broken.index, "switch")  # "first step,old size"; generation 0 has none
     first_step = int(store.get(switch).decode().split(",")[0]) if broken.index > 0 else 0
-    requests = requeued_requests(served, {m: broken.rank_of(m) for m in dead},
-                                 torch.nonzero(failed).flatten().tolist(), resume, first_step)
+    owed = requeued_requests(served, {m: broken.rank_of(m) for m in dead},
+                             torch.nonzero(failed).flatten().tolist(), resume, first_step)
+    # a recovery given up under a second death may have served some already (the second dead too)
+    done = {(step, rank) for m in broken.members for step, rank, size in served_log(store, spec.key("served_log", m))
+            if size == broken.size and step >= first_step}
+    requests = [request for request in owed if request not in done]
     for start in range(0, len(requests), generation.size):
         chunk = requests[start : start + generation.size]
         step, rank = chunk[group.rank] if group.rank < len(chunk) else (0, None)

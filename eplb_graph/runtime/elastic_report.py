@@ -96,6 +96,7 @@ def summarize_elastic(cfg, plan: tuple[int, ...], max_ranks: int, raw: dict) -> 
         "recoveries": len(recoveries),
         "experts_reloaded": sum(r["experts_reloaded"] for m in members for r in m["recoveries"]),
         "members_lost": sorted(int(m) for m in raw.get("dead", {})),
+        "members_recovered_from": sorted({lost for m in members for r in m["recoveries"] for lost in r["lost_members"]}),
         "mode": cfg.mode, "steps": cfg.steps, "scale_plan": list(plan), "max_ranks": max_ranks,
         "reconfigurations": sum(r["outcome"] == "switched" for r in resizes),  # resizes and recoveries
         "resizes_abandoned": sum(r["outcome"] == "abandoned" for r in resizes),
@@ -130,8 +131,9 @@ def failed_elastic_invariants(report: dict) -> list[str]:
             problems.append(f"{report[name]} {name.replace('_', ' ')}")
     if report.get("eplb_rearrangement_stalls"):
         problems.append(f"{report['eplb_rearrangement_stalls']} stalled EPLB rearrangements")
-    if report["recoveries"] < len(report["members_lost"]):
-        problems.append(f"{len(report['members_lost'])} members lost, {report['recoveries']} recovered from")
+    unrecovered = sorted(set(report["members_lost"]) - set(report["members_recovered_from"]))
+    if unrecovered:  # members that died together share one recovery
+        problems.append(f"members {unrecovered} lost and not recovered from")
     return problems
 
 

@@ -193,13 +193,13 @@ class ElasticRun:
                 self.killed_s[member] = time.monotonic()
                 del self.kills[member]
 
-    def recover_without(self, members: list[int]) -> bool:
+    def recover_without(self, members: list[int]) -> int:
         """Members died (every death seen at once: one recovery leaves them all out): the survivors
         get a recovery generation. A pending resize they broke the serving group of is given up
         here; one they were to join, rank 0 gives up. A switch written first wins, and the members
-        that died are recovered from once it is seen (``dead_members``). False where there was
-        nothing to recover (spares, joiners that never served) or nothing to recover with (then
-        ``failures`` says why)."""
+        that died are recovered from once it is seen (``dead_members``). Returns how many members
+        were recovered from: 0 where there was nothing to recover (spares, joiners that never
+        served) or nothing to recover with (then ``failures`` says why)."""
         for member in members:
             self.dead.setdefault(member, self.killed_s.get(member, time.monotonic()))
         request = self.requests[-1] if self.requests and self.requests[-1].outcome == "pending" else None
@@ -211,24 +211,24 @@ class ElasticRun:
         if request is not None and serving:  # the serving group broke: nobody else settles the resize
             key = self.spec.key("gen", request.generation, "switch")
             if self.store.compare_set(key, "", ABANDONED).decode() != ABANDONED:
-                return False  # rank 0 switched first: once that is seen, its dead are recovered from
+                return 0  # rank 0 switched first: once that is seen, its dead are recovered from
             request.outcome = "abandoned"
         if not serving:
-            return False
+            return 0
         # the first survivor is the new rank 0; a member that died before (its recovery given up) is no survivor
         survivors = tuple(m for m in self.members if m not in self.dead)
         if len(survivors) * self.num_local < self.spec.cfg.num_experts:
             for member in serving:
                 self.failures[member] = (f"died and cannot be recovered from: {len(survivors)} survivors x "
                                          f"{self.num_local} slots cannot host {self.spec.cfg.num_experts} experts")
-            return False
+            return 0
         index, self.next_index = self.next_index, self.next_index + 1
         self.requests.append(ResizeRequest(index, len(self.members), len(survivors), time.monotonic(),
                                            self.progress(), survivors, kind="recovery",
                                            died_s=min(self.dead[m] for m in serving)))
         announce_generation(self.store, self.spec.name, Generation(index, survivors))
         self.store.set(self.spec.key("recovery", self.current), str(index))
-        return True
+        return len(serving)
 
     def dead_members(self, request: ResizeRequest) -> list[int]:
         """Members of a resize that switched who died before the switch was seen (joiners, or serving
@@ -293,6 +293,6 @@ def run_elastic(cfg, plan: tuple[int, ...], max_ranks: int, *, spares: int | Non
         source = save_expert_source(cfg, Path(out or scratch) / "expert_source.pt")
         spec = ElasticSpec(cfg, max_ranks, "127.0.0.1", free_port(), deadline_s=deadline_s,
                            expert_source=str(source))
-        if spares is None:  # enough warm spares for the largest step up the plan takes, and a replacement
-            spares = max(max(0, after - before) for before, after in zip(plan, plan[1:])) + bool(kills)
+        if spares is None:  # enough warm spares for the largest step up the plan takes, and a replacement per kill
+            spares = max(max(0, after - before) for before, after in zip(plan, plan[1:])) + len(kills)
         return ElasticRun(spec, plan, kills).run(spares, timeout_s)

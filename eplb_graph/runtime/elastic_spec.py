@@ -69,6 +69,11 @@ class LostPeer(RuntimeError):
     """A member learned from the coordinator, not from a collective, that its group lost a peer."""
 
 
+def given_up(store: dist.Store, key: str) -> bool:
+    """The generation whose switch ``key`` names was given up (its switch holds ``ABANDONED``)."""
+    return store.check([key]) and store.get(key).decode() == ABANDONED
+
+
 def settle_switch(store: dist.Store, key: str, value: str, *, commit: bool, timeout_s: float) -> None:
     """A resize's commit point, with one outcome for every member of the serving group: rank 0
     (``commit``) writes its switch ``value`` unless the coordinator wrote ``ABANDONED`` first (a

@@ -90,6 +90,25 @@ def test_a_standby_waiting_for_a_member_that_never_comes_can_be_given_up_without
         group.leave()
 
 
+def test_a_build_switches_when_done_and_is_abandoned_once_given_up(store):
+    group = ElasticEpGroup("g-when", store, member=0, max_size=2, timeout_s=60)
+    calls = []
+
+    def given_up() -> bool:  # the third look finds the resize given up
+        calls.append(1)
+        return len(calls) >= 3
+
+    try:
+        assert group.switch_when_built(Generation(0, (0,)), given_up=lambda: False)
+        assert group.generation.index == 0
+        assert not group.switch_when_built(Generation(1, (0, 1)), given_up=given_up)  # member 1 never comes
+        assert len(calls) == 3 and group.generation.index == 0 and group.current() == (None, 0, 1)
+        with pytest.raises(ElasticGroupError, match="more than the group's maximum 2"):
+            group.switch_when_built(Generation(2, (0, 1, 2)), given_up=lambda: False)
+    finally:
+        group.leave()
+
+
 def test_solo_is_a_group_of_one_for_a_warm_up(store):
     group = ElasticEpGroup("g-solo", store, member=5, max_size=4, timeout_s=5)
     try:

@@ -91,3 +91,16 @@ def test_the_timeline_is_the_groups_a_step_ends_with_its_last_member_and_outlive
     raw["dead"] = {"0": 1.35}
     report = summarize_elastic(CFG, (2, 4), 4, raw)
     assert report["resizes"][0]["reconfiguration_seconds"] == 0.276 and report["members_lost"] == [0]
+
+
+def test_members_that_died_together_share_one_recovery_and_one_never_recovered_from_fails_the_run():
+    raw = raw_run()
+    recovery = {"generation": 2, "old_size": 4, "new_size": 2, "lost_members": [2, 3], "experts_reloaded": 4,
+                "requests_requeued": 0, "recovery_s": 0.5, "resume_step": 8}
+    raw["members"][0]["recoveries"] = raw["members"][1]["recoveries"] = [recovery]
+    raw["dead"] = {"2": 1.33, "3": 1.33}
+    report = summarize_elastic(CFG, (2, 4), 4, raw)
+    assert report["recoveries"] == 1 and report["members_recovered_from"] == [2, 3] == report["members_lost"]
+    assert not [p for p in failed_elastic_invariants(report) if "recovered" in p]
+    raw["members"][0]["recoveries"] = raw["members"][1]["recoveries"] = [dict(recovery, lost_members=[2])]
+    assert "members [3] lost and not recovered from" in failed_elastic_invariants(summarize_elastic(CFG, (2, 4), 4, raw))

@@ -5,11 +5,16 @@ move; every step of every member checked against the one-process reference. The 
 bookkeeping of deaths is also read alone, over its store, with no process started.
 """
 
+import threading
+import time
+from datetime import timedelta
+
 import pytest
 
 from eplb_graph.runtime.config import RunConfig
 from eplb_graph.runtime.elastic_report import failed_elastic_invariants, summarize_elastic
 from eplb_graph.runtime.elastic_group import read_generation
+from eplb_graph.runtime.elastic_recovery import save_expert_source
 from eplb_graph.runtime.elastic_run import ElasticRun, ResizeRequest, parse_scale_plan, run_elastic
 from eplb_graph.runtime.elastic_spec import ABANDONED, ElasticSpec
 from eplb_graph.runtime.launch import free_port
@@ -73,6 +78,45 @@ def test_a_member_killed_mid_run_is_recovered_from_with_nothing_lost_and_later_r
     assert len(survivors) == 3 and report["eplb_rearrangements_finished"] >= 4
 
 
+class _KillDuringRecovery(ElasticRun):
+    """Fault injection: member ``second`` is killed inside the first recovery, once every survivor
+    (it among them) built the recovery generation's group: rank 0 went on to its second group."""
+
+    second: int | None = None
+
+    def recover_without(self, members: list[int]) -> int:
+        recovered = super().recover_without(members)
+        if recovered and self.second is not None:
+            victim, self.second = self.second, None
+            built = f"{self.spec.name}/gen{self.requests[-1].generation}/eplb//0/0"  # gloo's rendezvous key of rank 0
+
+            def kill_once_built() -> None:
+                self.spec.connect().wait([built], timedelta(seconds=120))
+                self.killed_s[victim] = time.monotonic()
+                self.processes[victim].kill()
+
+            threading.Thread(target=kill_once_built, daemon=True).start()
+        return recovered
+
+
+@pytest.mark.launches
+def test_a_member_killed_during_the_recovery_from_another_is_recovered_from_too(tmp_path):
+    cfg = RunConfig(mode="eager", ranks=2, steps=90)
+    source = save_expert_source(cfg, tmp_path / "experts.pt")
+    run = _KillDuringRecovery(ElasticSpec(cfg, 4, "127.0.0.1", free_port(), expert_source=str(source)), (2, 4, 4),
+                              kill_plan=((3, 50),))
+    run.second = 2
+    raw = run.run(spares=4, timeout_s=300)
+    report = summarize_elastic(cfg, (2, 4, 4), 4, raw)
+    assert failed_elastic_invariants(report) == []
+    assert report["members_lost"] == [2, 3] == report["members_recovered_from"]
+    assert report["requests_lost"] == 0 and report["requests_duplicated"] == 0 and report["output_mismatches"] == 0
+    kinds = [(r["kind"], r["new_size"], r["outcome"]) for r in report["resizes"]]
+    # the first recovery (4 -> 3) is given up, or switched if it won the race; the survivors of both serve
+    assert kinds[0] == ("resize", 4, "switched") and kinds[-2:] == [("recovery", 2, "switched"), ("resize", 4, "switched")]
+    assert kinds[1][:2] == ("recovery", 3) and len(kinds) == 4
+
+
 @pytest.mark.parametrize("text, message", [
     ("2", "needs a first size and at least one resize"),
     ("2,x", "sizes separated by commas"),
@@ -91,7 +135,7 @@ def _coordinator(members: tuple[int, ...]) -> ElasticRun:
 
 def test_members_that_die_together_are_left_out_of_one_recovery():
     run = _coordinator((0, 1, 2, 3))
-    assert run.recover_without([1, 2])
+    assert run.recover_without([1, 2]) == 2
     recovery = run.requests[-1]
     assert (recovery.kind, recovery.generation, recovery.members) == ("recovery", 1, (0, 3))
     assert int(run.store.get(run.spec.key("recovery", 0))) == 1
