@@ -163,8 +163,8 @@ class ElasticMember:
             if lost_peer is not None:  # outside the handler: its traceback no longer holds the broken group
                 recover(self, lost_peer)
         else:
-            if self.pending is not None:  # the run ended before the resize could switch
-                self._give_up()
+            if self.pending is not None:
+                self._give_up("the run ended before the resize could switch")
             self.eplb.stop()  # every member of the last generation, at its last step
         self.result.eplb = self.eplb.summary()
         self.result.recompiles = unique_graphs() - self.graphs_after_warmup
@@ -222,22 +222,21 @@ class ElasticMember:
     def _between_steps(self) -> bool:
         """The control all-reduce and what it decides; False: this member left the group."""
         control = torch.zeros(3)  # [announced, not ready, give up]
-        rank = self.group.rank
+        rank, why = self.group.rank, None
         if self.pending is None:
             control[0] = rank == 0 and generation_announced(self.store, self.spec.name, self.next_generation)
         else:
             release = self._release() if rank == 0 else "go"
             control[1] = not self._ready() or release == "wait"
-            failed = self.group.standby_failed() is not None
-            late = rank == 0 and release == "go" and time.monotonic() - self.released_s > self.spec.deadline_s
-            control[2] = failed or release == "abandon" or late or rank == 0 and self._cancelled()
+            why = self._why_give_up(release)
+            control[2] = why is not None
         pg, _, size = self.group.current()
         if pg is not None:
             dist.all_reduce(control, op=dist.ReduceOp.MAX, group=pg)
         if self.pending is None and control[0]:
             self._prepare(read_generation(self.store, self.spec.name, self.next_generation, self.spec.timeout_s))
         elif self.pending is not None and control[2]:
-            self._give_up()
+            self._give_up(why or "another member could not build the new group")
         elif self.pending is not None and not control[1]:
             return self._switch()
         return True
@@ -274,10 +273,26 @@ class ElasticMember:
             self.released_s = time.monotonic()  # the deadline counts from here
         return value
 
-    def _cancelled(self) -> bool:
-        """Rank 0: the coordinator asks the pending resize to be given up (a joiner died)."""
+    def _why_give_up(self, release: str) -> str | None:
+        """Why the pending resize must be given up, as far as this member sees (rank 0 also reads
+        the coordinator's keys and keeps the deadline); None: it may go on."""
+        failed = self.group.standby_failed()
+        if failed is not None:
+            return f"member {self.member} could not build the new group: {failed}"
+        if self.group.rank != 0:
+            return None
         generation, _ = self.pending
-        return self.store.check([self.spec.key("gen", generation.index, "cancel")])
+        cancel = self.spec.key("gen", generation.index, "cancel")
+        if self.store.check([cancel]):  # the coordinator asks: a joiner died
+            return f"member {self.store.get(cancel).decode()} died"
+        if release == "abandon":
+            return "the drain of requests timed out"
+        if release == "go" and time.monotonic() - self.released_s > self.spec.deadline_s:
+            late = [m for m in self._joiners(generation)
+                    if not self.store.check([self.spec.key("gen", generation.index, "ready", m)])]
+            return (f"not ready within the {self.spec.deadline_s:g} s resize deadline"
+                    + (f" (members {', '.join(map(str, late))} not ready)" if late else ""))
+        return None
 
     def _ready(self) -> bool:
         generation, _ = self.pending
@@ -286,10 +301,11 @@ class ElasticMember:
         ready = [self.spec.key("gen", generation.index, "ready", m) for m in self._joiners(generation)]
         return self.group.standby_ready() and (not ready or self.store.check(ready))
 
-    def _give_up(self) -> None:
+    def _give_up(self, why: str) -> None:
         generation, _ = self.pending
         self.group.abandon_standby()
         if self.group.rank == 0:  # the joiners waiting for the switch learn it from the same key
+            self.store.set(self.spec.key("gen", generation.index, "why_abandoned"), why)
             self.store.set(self.spec.key("gen", generation.index, "switch"), ABANDONED)
         self.result.abandoned.append(generation.index)
         self.pending, self.next_generation = None, generation.index + 1

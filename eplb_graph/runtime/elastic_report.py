@@ -50,6 +50,8 @@ def resize_entry(request: dict, timeline: list[tuple[float, int, int]], median_g
     moves = [r for m in members for r in m.get("resizes", []) if r["generation"] == request["generation"]]
     entry["bytes_moved"] = sum(r["bytes_moved"] for r in moves)
     entry["switch_seconds_max"] = round(max((r["switch_s"] for r in moves), default=0.0), 4)
+    if request.get("why_abandoned"):
+        entry["why_abandoned"] = request["why_abandoned"]
     return entry
 
 
@@ -175,10 +177,14 @@ def write_elastic_report(out: Path, cfg, plan: tuple[int, ...], max_ranks: int, 
         print(json.dumps(report, indent=2))
         return 1 if problems else 0
     for resize in report["resizes"]:
-        seconds = "n/a" if resize["reconfiguration_seconds"] is None else resize["reconfiguration_seconds"]
-        print(f"{resize['old_size']} -> {resize['new_size']} ranks at step {resize['at_step']}: {resize['outcome']}, "
-              f"serving at the new size after {seconds} s, longest pause {resize['serving_pause_seconds']} s, "
-              f"{resize['bytes_moved']} bytes moved")
+        if resize["outcome"] != "switched":
+            print(f"{resize['old_size']} -> {resize['new_size']} ranks at step {resize['at_step']}: {resize['outcome']}"
+                  f" ({resize.get('why_abandoned', 'no reason given')}), longest pause "
+                  f"{resize['serving_pause_seconds']} s")
+            continue
+        print(f"{resize['old_size']} -> {resize['new_size']} ranks at step {resize['at_step']}: switched, "
+              f"serving at the new size after {resize['reconfiguration_seconds']} s, longest pause "
+              f"{resize['serving_pause_seconds']} s, {resize['bytes_moved']} bytes moved")
     print(f"{report['batches_served']} batches, output mismatches {report['output_mismatches']}, "
           f"recompiles {report['recompiles']}, {report['eplb_rearrangements_finished']} EPLB rearrangements "
           f"between resizes; wrote {out / 'report.json'}, {plot}")

@@ -57,6 +57,7 @@ class ResizeRequest:
     outcome: str = "pending"  # "switched" | "abandoned"
     kind: str = "resize"  # or "recovery": the survivors of a member that died
     died_s: float | None = None  # a recovery: when the member died (killed, or found dead)
+    why_abandoned: str | None = None  # as rank 0 gave it up
 
 
 @dataclass
@@ -129,10 +130,15 @@ class ElasticRun:
         self.store.set(self.spec.key("gen", generation, "release"), "go" if go else "abandon")
 
     def outcome(self, request: ResizeRequest) -> str:
+        """"pending", "switched" or "abandoned" (then ``request.why_abandoned`` says why, where rank 0 said)."""
         key = self.spec.key("gen", request.generation, "switch")
         if not self.store.check([key]):
             return "pending"
-        return "abandoned" if self.store.get(key).decode() == ABANDONED else "switched"
+        if self.store.get(key).decode() != ABANDONED:
+            return "switched"
+        why = self.spec.key("gen", request.generation, "why_abandoned")
+        request.why_abandoned = self.store.get(why).decode() if self.store.check([why]) else None
+        return "abandoned"
 
     def start_first_generation(self, spares: int) -> None:
         """Members 0..plan[0]-1 as generation 0, and ``spares`` warm spares beside them."""

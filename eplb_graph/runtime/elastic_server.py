@@ -216,7 +216,8 @@ class ElasticServer:
             if request.outcome != "switched":
                 failed = {m: why for m, why in self.failed_members.items() if m in request.members}
                 died = [m for m in request.members if m in run.dead and m not in failed]
-                raise ScaleError(500, f"Scale failed: the resize to {new_size} ranks was {request.outcome}"
+                reason = "" if failed or died or request.why_abandoned is None else f": {request.why_abandoned}"
+                raise ScaleError(500, f"Scale failed: the resize to {new_size} ranks was {request.outcome}{reason}"
                                       + "".join(f"; member {m} failed: {why}" for m, why in failed.items())
                                       + "".join(f"; member {m} died" for m in died))
             return f"Scaled to {new_size} data parallel engines"

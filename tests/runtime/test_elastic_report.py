@@ -69,8 +69,10 @@ def test_a_mismatch_a_recompile_or_a_resize_that_did_not_switch_fails_the_run():
     raw = raw_run()
     raw["members"][1]["output_mismatches"] = 2
     raw["members"][2]["recompiles"] = 1
-    raw["requests"][0]["outcome"] = "abandoned"
-    assert failed_elastic_invariants(summarize_elastic(CFG, (2, 4), 4, raw)) == [
+    raw["requests"][0].update(outcome="abandoned", why_abandoned="member 3 died")
+    report = summarize_elastic(CFG, (2, 4), 4, raw)
+    assert report["resizes"][0]["why_abandoned"] == "member 3 died"
+    assert failed_elastic_invariants(report) == [
         "2 steps' outputs differ from the one-process reference", "1 recompiles on the serving path",
         "0 of 1 planned resizes switched"]
 

@@ -54,6 +54,7 @@ def test_a_resize_past_its_deadline_is_given_up_and_the_group_serves_on_at_its_s
     raw = run_elastic(cfg, (2, 4), 4, deadline_s=1e-3, timeout_s=300)
     report = summarize_elastic(cfg, (2, 4), 4, raw)
     assert report["reconfigurations"] == 0 and report["resizes_abandoned"] == 1
+    assert report["resizes"][0]["why_abandoned"].startswith("not ready within the 0.001 s resize deadline")
     assert report["output_mismatches"] == 0 and report["steps_served"] == {"0": 40, "1": 40}
     joiners = [m for m in raw["members"] if m["member"] >= 2]
     assert len(joiners) == 2 and all("was given up" in m["abandoned_join"] for m in joiners)  # and left unserved
