@@ -218,7 +218,8 @@ class ElasticRun:
             key = self.spec.key("gen", request.generation, "switch")
             if self.store.compare_set(key, "", ABANDONED).decode() != ABANDONED:
                 return 0  # rank 0 switched first: once that is seen, its dead are recovered from
-            request.outcome = "abandoned"
+            request.outcome, request.why_abandoned = "abandoned", f"member {', '.join(map(str, serving))} died"
+            self.store.set(self.spec.key("gen", request.generation, "why_abandoned"), request.why_abandoned)
         if not serving:
             return 0
         # the first survivor is the new rank 0; a member that died before (its recovery given up) is no survivor

@@ -166,5 +166,6 @@ def test_a_serving_member_that_dies_before_the_switch_gives_the_resize_up():
     run.next_index = 2
     assert run.recover_without([1])
     assert resize.outcome == "abandoned" and run.store.get(run.spec.key("gen", 1, "switch")) == ABANDONED.encode()
+    assert resize.why_abandoned == "member 1 died"
     assert run.requests[-1].members == (0, 2) and int(run.store.get(run.spec.key("recovery", 0))) == 2
     assert not run.recover_without([2]) and "cannot host 16 experts" in run.failures[2]  # 1 x 10 slots left
