@@ -156,9 +156,7 @@ class ElasticRun:
         started = time.monotonic()
         try:
             while len(self.done) + len(self.failures) + len(self.dead) < len(self.processes):
-                lost = self._collect()
-                if lost:
-                    self.recover_without(lost)
+                self.recover_without(self._collect())
                 if self.failures or time.monotonic() - started > timeout_s:
                     break
                 self._kill_planned()
@@ -167,8 +165,7 @@ class ElasticRun:
                     self.requests[-1].outcome = self.outcome(self.requests[-1])
                     if self.requests[-1].outcome == "switched":
                         self.members, self.current = self.requests[-1].members, self.requests[-1].generation
-                        if self.dead_members(self.requests[-1]):
-                            self.recover_without(self.dead_members(self.requests[-1]))
+                        self.recover_without(self.dead_members(self.requests[-1]))
                         if resize_steps:
                             self.top_up_spares(spares)
                 elif not resize_steps and self.spares:

@@ -263,8 +263,8 @@ class ElasticServer:
         while not self._stop.is_set():
             lost = run._collect() + self._failed_since()
             with self.lock:
-                if lost:  # their requests are re-queued once the survivors switched
-                    self.stats.recoveries += run.recover_without(lost)
+                # their requests are re-queued once the survivors switched
+                self.stats.recoveries += run.recover_without(lost)
                 if run.failures:  # a loss the group cannot recover from: every call says so from now on
                     raise RuntimeError(f"the EP group cannot keep serving: {run.failures}"
                                        + "".join(f"; member {m} had failed: {why}" for m, why in self.failed_members.items()))
@@ -273,8 +273,7 @@ class ElasticServer:
                     request.outcome = run.outcome(request)
                     if request.outcome == "switched":
                         self._switched(request)
-                        if run.dead_members(request):
-                            self.stats.recoveries += run.recover_without(run.dead_members(request))
+                        self.stats.recoveries += run.recover_without(run.dead_members(request))
                     elif request.outcome == "abandoned":  # its joiners leave: warm up others for the next
                         run.top_up_spares(self.spares)
                 self._collect_results()
