@@ -207,7 +207,7 @@ EXPERT_FORMATS: dict[str, type[ExpertWeights]] = {
 # Formats users ask for that cannot be moved per expert, and why (rejected at start-up).
 UNSUPPORTED_FORMATS = {
     "w8a8_static": "its activation scale is one tensor shared by all experts, not per expert, so movement cannot carry it",
-    "fp8_block": "no expert-major weight view of its block scales exists here",
+    "fp8_block": "the reference runtime has no FP8 kernel (the vLLM plugin serves FP8 checkpoints: vllm_plugin/expert_views.py)",
     "gptq_marlin": "its Marlin-repacked tiles interleave experts' columns; a per-expert view would not be the kernel's storage",
 }
 
@@ -221,23 +221,42 @@ def expert_format(name: str) -> type[ExpertWeights]:
     )
 
 
+def is_expert_major(tensor: torch.Tensor, num_local_experts: int) -> bool:
+    """[E, ...] with one row per expert (a stride-0 expert dim is one tensor broadcast to all)."""
+    return tensor.dim() > 0 and tensor.shape[0] == num_local_experts and tensor.stride(0) != 0
+
+
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.nbytes == b.nbytes
+
+
+def check_view_layout(owner: str, view: dict[str, torch.Tensor], num_local_experts: int) -> None:
+    """Every tensor of a weight view is a contiguous [E, ...] expert-major tensor, on one device:
+    what upstream's mover reads and writes row by row."""
+    devices = {t.device for t in view.values()}
+    if len(devices) > 1:
+        raise ValueError(f"{owner}: weight view spans devices {devices}")
+    for name, tensor in view.items():
+        if tensor.dim() == 0 or tensor.shape[0] != num_local_experts or not tensor.is_contiguous():
+            raise ValueError(
+                f"{owner}: view tensor {name} {tuple(tensor.shape)} is not a contiguous "
+                f"[{num_local_experts}, ...] expert-major tensor"
+            )
+
+
+def outside_view(view: dict[str, torch.Tensor], read: dict[str, torch.Tensor], num_local_experts: int) -> list[str]:
+    """The expert-major tensors of ``read`` (what the kernel reads) whose storage no view tensor is."""
+    return [
+        name for name, tensor in read.items()
+        if is_expert_major(tensor, num_local_experts) and not any(shares_storage(tensor, t) for t in view.values())
+    ]
+
+
 def check_weight_view(experts: ExpertWeights, num_local_experts: int) -> None:
     """The view must be the kernel's storage: every tensor expert-major, contiguous, on one device,
     and no expert-major tensor of the module left out of it (coupled metadata moves together)."""
-    view = experts.weight_view()
-    devices = {t.device for t in view}
-    if len(devices) != 1:
-        raise ValueError(f"{experts.format_name}: weight view spans devices {devices}")
-    for name, tensor in zip(experts.view_names, view):
-        if tensor.shape[0] != num_local_experts or not tensor.is_contiguous():
-            raise ValueError(
-                f"{experts.format_name}: view tensor {name} {tuple(tensor.shape)} is not a contiguous "
-                f"[{num_local_experts}, ...] expert-major tensor"
-            )
-    in_view = {id(t) for t in view}
-    left_out = [
-        name for name, t in [*experts.named_parameters(), *experts.named_buffers()]
-        if t.dim() and t.shape[0] == num_local_experts and id(t) not in in_view
-    ]
+    view = dict(zip(experts.view_names, experts.weight_view()))
+    check_view_layout(experts.format_name, view, num_local_experts)
+    left_out = outside_view(view, dict([*experts.named_parameters(), *experts.named_buffers()]), num_local_experts)
     if left_out:
         raise ValueError(f"{experts.format_name}: expert tensors {left_out} are outside the weight view and would not move")

@@ -102,7 +102,9 @@ def upstream_rearrange_with_our_communicator(rank, world_size, init_method):
         num_layers, num_physical = 2, 12
         num_local = num_physical // world_size
         gen = torch.Generator().manual_seed(7)
-        logical = [[torch.randn(8, 6, 5, generator=gen), torch.randn(8, 3, generator=gen)] for _ in range(num_layers)]
+        # an FP8 block checkpoint's weights and scales, and packed int4 weights, move exactly
+        logical = [[torch.randn(8, 6, 5, generator=gen).to(torch.float8_e4m3fn), torch.randn(8, 3, generator=gen),
+                    torch.randint(-8, 8, (8, 4), generator=gen, dtype=torch.int8)] for _ in range(num_layers)]
         old = torch.stack([torch.cat([torch.arange(8), torch.arange(4)]) for _ in range(num_layers)])
         new = torch.stack([torch.cat([torch.arange(8), torch.randint(0, 8, (4,), generator=gen)])[torch.randperm(num_physical, generator=gen)]
                            for _ in range(num_layers)])
