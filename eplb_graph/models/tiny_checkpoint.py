@@ -63,3 +63,46 @@ def write_tiny_qwen3_moe_checkpoint(directory: str | Path, *, seed: int = 0, **o
                 parameter.normal_(0.0, parameter.shape[-1] ** -0.5)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+FP8_BLOCK = 128  # DeepSeek-V3's [128, 128] weight blocks
+
+
+def quantize_fp8_blocks(weight, block: int = FP8_BLOCK):
+    """weight [O, I] -> (float8_e4m3fn [O, I], weight_scale_inv float32 [ceil(O/block), ceil(I/block)]):
+    one scale per block, its amax mapped to float8's largest value, as FP8 checkpoints store it."""
+    import torch
+
+    rows, cols = weight.shape
+    pad = torch.zeros(-(-rows // block) * block, -(-cols // block) * block, dtype=torch.float32)
+    pad[:rows, :cols] = weight.float()
+    blocks = pad.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # [O/b, b, I/b, b]
+    scale = (blocks.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max).clamp_min(1e-12)  # [O/b, I/b]
+    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+    return (weight.float() / full).to(torch.float8_e4m3fn), scale
+
+
+def write_tiny_qwen3_moe_fp8_checkpoint(directory: str | Path, *, seed: int = 0, **overrides) -> Path:
+    """The seeded checkpoint with its routed experts stored as block-quantized FP8, in the format of
+    DeepSeek-V3's and Qwen3-MoE-FP8's checkpoints (``quant_method: fp8``, ``weight_block_size``,
+    ``weight_scale_inv``); attention, the router and the head stay float (``ignored_layers``).
+    The experts' widths default to one whole block."""
+    from safetensors.torch import load_file, save_file
+
+    overrides = {"hidden_size": FP8_BLOCK, "moe_intermediate_size": FP8_BLOCK, **overrides}
+    directory = write_tiny_qwen3_moe_checkpoint(directory, seed=seed, **overrides)
+    (weights_file,) = directory.glob("*.safetensors")
+    tensors = load_file(weights_file)
+    for name in [n for n in tensors if ".mlp.experts." in n and n.endswith("_proj.weight")]:
+        tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = quantize_fp8_blocks(tensors[name])
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    layers = range(config["num_hidden_layers"])
+    config["quantization_config"] = {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+        "ignored_layers": [f"model.layers.{i}.{module}" for i in layers for module in
+                           ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate")],
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory

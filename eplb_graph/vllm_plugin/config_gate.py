@@ -7,7 +7,9 @@ on it:
 1. refuses, before any process starts, what eplb-graph cannot serve, naming it:
    synchronous EPLB, elastic EP (upstream runs it synchronously), dual-batch overlap,
    vllm-ascend's V1-only EPLB controls mixed with ``enable_eplb``, a quantization with no
-   expert-weight view, and, on CPU, expert parallel over more than one process;
+   expert-weight view (asked for or found in the checkpoint; ``expert_views`` checks each
+   layer's method and tensors again when the worker binds it), and, on CPU, expert parallel
+   over more than one process;
 2. on CPU, where ``ParallelConfig`` refuses EPLB (CUDA/ROCm/XPU only, and TP x PCP x DP > 1),
    builds the config with EPLB off and then sets the user's EPLB fields on the result --
    the capability adapter makes upstream's EPLB work there (``worker.py``);
@@ -22,6 +24,8 @@ import os
 
 from eplb_graph.upstream.watchdog import stall_bound_from_env
 
+from .expert_views import SUPPORTED_QUANTIZATIONS
+
 LEGACY_EPLB_CONTROLS = (
     "dynamic_eplb",
     "expert_map_path",
@@ -31,8 +35,6 @@ LEGACY_EPLB_CONTROLS = (
     "num_wait_worker_iterations",
     "gate_eplb",
 )
-# Quantizations whose fused-MoE kernel reads storage a weight view exposes (see weight_views.py).
-SUPPORTED_QUANTIZATIONS = (None,)
 # vLLM's CPU fused-MoE kernel ignores the expert map under expert parallel: a worker with
 # EP > 1 segfaults in csrc/cpu/cpu_fused_moe.cpp at the first forward (fp32 and bf16).
 CPU_EP_LIMIT = 1

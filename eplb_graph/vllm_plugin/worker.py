@@ -9,7 +9,8 @@ forward, ``eplb_step`` after). This object only connects the boundaries:
   adapter, checks each policy placement, and refreshes our lookups between upstream's commit
   of a layer and its acknowledgement, so they never route by an uncommitted placement
   (invariants 3, 6);
-* every MoE layer becomes a ``VllmMoELayer`` mapped by exactly one mechanism;
+* every MoE layer becomes a ``VllmMoELayer`` mapped by exactly one mechanism, and its experts'
+  storage is proven to be what upstream moves (``expert_views``: quantized kernels included);
 * ``verify_mapping`` checks after warm-up that each layer was routed by its mechanism;
 * a dead async worker is raised on the runner's next EPLB step instead of silently
   leaving EPLB off.
@@ -25,6 +26,7 @@ from eplb_graph.upstream.binding import UpstreamBinding
 from eplb_graph.upstream.watchdog import stall_bound_from_env
 
 from . import router_adapter
+from .expert_views import ExpertWeightView, complete_move_list
 from .layers import GRAPH_PASS, ROUTER_ADAPTER, VllmMoELayer
 
 
@@ -48,6 +50,17 @@ def relative_path(path: str, roots: list[str]) -> str | None:
         if path.startswith(root + "."):
             return path[len(root) + 1 :]
     return None
+
+
+def use_gloo_staged_communicator(eplb_state) -> None:
+    """Upstream's gloo choice moves through our ``GlooStagedCommunicator``: it reserves no buffer
+    with a profile-time all_gather, which gloo cannot run on float8 (FP8 checkpoints' weights)."""
+    from vllm.distributed.parallel_state import get_eplb_group
+
+    from eplb_graph.mover import GlooStagedCommunicator
+
+    for model_state in eplb_state.model_states.values():
+        model_state.communicator = GlooStagedCommunicator(get_eplb_group().cpu_group)
 
 
 def mapping_mechanism(moe_runner: torch.nn.Module, compilation_config, traced_path: str | None) -> str:
@@ -80,12 +93,21 @@ class VllmEplbWorker:
             runner.eplb_state = EplbState(parallel_config, runner.device)
             runner._moe_model = moe_model
             runner.eplb_state.add_model(moe_model, runner.model_config)
+        if parallel_config.eplb_config.communicator == "torch_gloo":
+            use_gloo_staged_communicator(runner.eplb_state)
 
         paths = {id(module): name for name, module in runner.model.named_modules()}
         roots = compiled_roots(runner.model)
         compilation_config = runner.vllm_config.compilation_config
+        self.expert_views: dict[str, ExpertWeightView] = {}
         for model_state in runner.eplb_state.model_states.values():
             model = model_state.model
+            views = [
+                ExpertWeightView(moe_runner.layer_name, moe_runner.routed_experts, model.expert_weights[index])
+                for index, moe_runner in enumerate(model.moe_layers)
+            ]
+            complete_move_list(views, model_state)
+            self.expert_views.update((view.layer_name, view) for view in views)
             committed = model_state.physical_to_logical_map.cpu()  # [L, num_physical]
             layers = []
             for index, moe_runner in enumerate(model.moe_layers):
@@ -171,6 +193,7 @@ class VllmEplbWorker:
             "rearrangement_stalls": self.binding.rearrangement_stalls,
             "worker_error": None if self.binding.worker_error is None else repr(self.binding.worker_error),
             "built_upstream_state": self.built_upstream_state,
+            "expert_views": {name: view.summary() for name, view in self.expert_views.items()},
             # tokens per physical expert upstream holds in its window (what the policy sees)
             "load_window_total": sum(int(s.expert_load_window.sum()) for s in self.runner.eplb_state.model_states.values()),
         }
@@ -182,11 +205,12 @@ def log_active(worker: VllmEplbWorker) -> str:
 
     eplb = worker.runner.parallel_config.eplb_config
     mechanisms = ", ".join(f"{layer.key}: {layer.mapped_by}" for layer in worker.layers)
+    moved = {", ".join([*view.moved, *view.derived]) for view in worker.expert_views.values()}
     line = (
         f"eplb-graph active on {worker.runner.device}: {len(worker.layers)} MoE layers bound ({mechanisms}); "
         f"load phase: every batch of the last {eplb.window_size} steps before each rearrangement, every "
         f"{eplb.step_interval} steps (upstream's window); {eplb.num_redundant_experts} redundant experts, "
-        f"{'async' if eplb.use_async else 'sync'} EPLB"
+        f"{'async' if eplb.use_async else 'sync'} EPLB; each expert moves with {' | '.join(sorted(moved))}"
     )
     init_logger("vllm.eplb_graph").info(line)  # under "vllm.": vLLM's handler and format
     return line

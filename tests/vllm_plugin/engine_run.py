@@ -4,6 +4,14 @@ Used by test_engine.py: each engine start gets its own process (vLLM keeps globa
 By default the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the
 worker's EPLB state can be read directly after generation; ``--engine-process`` keeps
 vLLM's default separate engine-core process, and then only the tokens come back.
+
+``--weights`` picks the checkpoint: float32 (the default), online FP8 from a bf16 checkpoint
+(``quantization="fp8_per_block"``, the routed experts only) or a pre-quantized block-FP8
+checkpoint; the FP8 runs use bfloat16 activations and at most ``EXACT_TOKENS_PER_EXPERT`` tokens
+per step, under which vLLM's CPU FP8 kernel gives every token the same row in any batch
+(cpu_fp8.py). ``--hide-scales-from-upstream`` drops the FP8 scales from what upstream's EPLB
+collects to move, as a quant method whose kernel state is no parameter would: the plugin's view
+must find them and move them itself.
 """
 
 from __future__ import annotations
@@ -14,6 +22,12 @@ import os
 import sys
 import tempfile
 
+from tests.vllm_plugin.cpu_fp8 import EXACT_TOKENS_PER_EXPERT, LIFT_ENV, lift_if_asked
+
+lift_if_asked()  # at import: a spawned engine core imports this script too
+
+# the routed experts only: vLLM's CPU FP8 linear kernels are a separate matter
+FP8_ONLINE_IGNORE = ["*mlp.gate", "*self_attn.*"]
 
 def main() -> int:
     parser = argparse.ArgumentParser()
@@ -25,6 +39,8 @@ def main() -> int:
     parser.add_argument("--interval", type=int, default=8)
     parser.add_argument("--redundant", type=int, default=4)
     parser.add_argument("--engine-process", action="store_true", help="vLLM's default: engine core in its own process")
+    parser.add_argument("--weights", choices=["float32", "fp8-online", "fp8-checkpoint"], default="float32")
+    parser.add_argument("--hide-scales-from-upstream", action="store_true")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -34,13 +50,25 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eplb_graph.models.tiny_checkpoint import write_tiny_qwen3_moe_checkpoint
+    from eplb_graph.models import tiny_checkpoint
 
-    model_dir = write_tiny_qwen3_moe_checkpoint(tempfile.mkdtemp(prefix="eplb-graph-qwen3moe-"))
+    fp8 = args.weights != "float32"
+    if fp8:
+        os.environ[LIFT_ENV] = "1"
+        lift_if_asked()
+    if args.hide_scales_from_upstream:
+        hide_scales_from_upstream()
+    write = tiny_checkpoint.write_tiny_qwen3_moe_fp8_checkpoint if args.weights == "fp8-checkpoint" \
+        else tiny_checkpoint.write_tiny_qwen3_moe_checkpoint
+    model_dir = write(tempfile.mkdtemp(prefix="eplb-graph-qwen3moe-"))
     kwargs = dict(
-        model=str(model_dir), skip_tokenizer_init=True, dtype="float32",
+        model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16" if fp8 else "float32",
         max_model_len=128, max_num_seqs=args.prompts, seed=0, enforce_eager=args.mode == "eager",
     )
+    if fp8:
+        kwargs.update(max_num_batched_tokens=EXACT_TOKENS_PER_EXPERT)
+    if args.weights == "fp8-online":
+        kwargs.update(quantization="fp8_per_block", quantization_config={"ignore": FP8_ONLINE_IGNORE})
     if args.eplb == "on":
         kwargs.update(
             enable_expert_parallel=True, enable_eplb=True,
@@ -74,6 +102,19 @@ def main() -> int:
     }
     print("ENGINE_RUN_RESULT " + json.dumps(result), flush=True)
     return 0
+
+
+def hide_scales_from_upstream() -> None:
+    """Upstream collects what it moves from ``get_expert_weights``: leave the scales out of it."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    collect = RoutedExperts.get_expert_weights
+
+    def without_scales(self):
+        scales = [p for name, p in self.named_parameters() if "scale" in name]
+        return [w for w in collect(self) if not any(w.data_ptr() == s.data_ptr() for s in scales)]
+
+    RoutedExperts.get_expert_weights = without_scales
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ def test_a_users_post_grad_pass_is_kept_and_still_runs(model_dir):
     [
         ({"eplb": {"use_async": False}}, "synchronous EPLB"),
         ({"additional_config": {"dynamic_eplb": True, "expert_map_path": "/x.json"}}, "['dynamic_eplb', 'expert_map_path']"),
-        ({"quantization": "fp8"}, "quantization='fp8'"),
+        ({"quantization": "bitsandbytes"}, "quantization='bitsandbytes' has no expert-weight view"),
         ({"enable_dbo": True}, "enable_dbo=True"),
         ({"enable_expert_parallel": False}, "enable_expert_parallel=False"),
         ({"tensor_parallel_size": 2}, "expert parallel over 2 processes on CPU"),
@@ -102,6 +102,22 @@ def test_unsupported_combinations_are_refused_by_name_before_anything_starts(mod
         args.create_engine_config()
     assert named in str(error.value)
     assert (args.enable_eplb, args.eplb_config) == before  # the request is left as the user gave it
+
+
+@pytest.mark.parametrize("quantization", ["fp8_per_block", "fp8_per_tensor", "fp8_per_channel"])
+def test_online_fp8_is_accepted(model_dir, quantization):
+    config = eplb_args(model_dir, quantization=quantization, dtype="bfloat16").create_engine_config()
+    assert config.parallel_config.enable_eplb and config.model_config.quantization == quantization
+
+
+def test_a_checkpoints_own_quantization_is_checked_accepted_or_refused_by_name(tmp_path):
+    fp8 = write_tiny_qwen3_moe(tmp_path / "fp8", quantization_config={
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+    assert eplb_args(str(fp8), dtype="bfloat16").create_engine_config().model_config.quantization == "fp8"
+    awq = write_tiny_qwen3_moe(tmp_path / "awq", quantization_config={
+        "quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"})
+    with pytest.raises(EplbConfigError, match="quantization='awq' has no expert-weight view"):
+        eplb_args(str(awq), dtype="bfloat16").create_engine_config()
 
 
 def test_a_stall_bound_that_is_not_one_is_refused_at_engine_start_naming_the_variable(model_dir, monkeypatch):

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.launches  # rank processes or an engine: left out by ma
 pytest.importorskip("vllm")
 
 ENGINE_RUN = Path(__file__).with_name("engine_run.py")
+REPO_ROOT = Path(__file__).parents[2]
 RUNS = {
     "compiled_off": ["--eplb", "off", "--mode", "compiled"],
     "compiled_on": ["--eplb", "on", "--mode", "compiled"],
@@ -37,7 +38,8 @@ def launch(args: list[str], workdir: Path) -> subprocess.Popen:
     # No compile caches: a cache hit serves the graph our pass built earlier without running
     # the pass again (correct, and caught by the runtime check), but here the pass must run.
     env = {**os.environ, "VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-           "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+           "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen(
         [sys.executable, str(ENGINE_RUN), *args], cwd=workdir, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
@@ -53,16 +55,19 @@ def result_of(process: subprocess.Popen, name: str) -> dict:
         "Rearranging experts (async mode) ...")}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, dict]:
-    """Two engines at a time (2 cores): about a minute for all five."""
-    workdir = tmp_path_factory.mktemp("engine")
+def run_in_pairs(runs: dict[str, list[str]], workdir: Path) -> dict[str, dict]:
+    """Two engines at a time (2 cores): about a minute for five."""
     results = {}
-    names = list(RUNS)
-    for pair in (names[:2], names[2:4], names[4:]):
-        processes = {name: launch(RUNS[name], workdir) for name in pair}
+    names = list(runs)
+    for start in range(0, len(names), 2):
+        processes = {name: launch(runs[name], workdir) for name in names[start : start + 2]}
         results.update({name: result_of(process, name) for name, process in processes.items()})
     return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    return run_in_pairs(RUNS, tmp_path_factory.mktemp("engine"))
 
 
 def test_greedy_tokens_are_identical_with_eplb_on_and_off(runs):

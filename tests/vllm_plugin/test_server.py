@@ -1,6 +1,8 @@
 """vLLM's OpenAI server with the plugin, started exactly as docs/quickstart-hf.md says, on a local
 random checkpoint with a tokenizer: completions equal EPLB off, and each worker logs that
-graph-mode EPLB is active. Two servers (EPLB on and off) start side by side."""
+graph-mode EPLB is active. Two servers (EPLB on and off) start side by side; then two more on
+the quickstart's FP8 checkpoint, through ``lifted_api_server`` (vLLM's FP8 CPU experts admitted
+on this AMX-less CPU, cpu_fp8.py) at EXACT_TOKENS_PER_EXPERT tokens a step."""
 
 from __future__ import annotations
 
@@ -18,10 +20,13 @@ from types import SimpleNamespace
 import pytest
 
 from tests.eplb_graph.quickstart_blocks import quickstart_blocks
+from tests.vllm_plugin.cpu_fp8 import EXACT_TOKENS_PER_EXPERT, LIFT_ENV
 
 pytest.importorskip("vllm")
 
-SECTION = "vLLM"
+SECTION, FP8_SECTION = "vLLM: the OpenAI-compatible server", "vLLM: an FP8 checkpoint"
+REPO_ROOT = Path(__file__).parents[2]
+UPSTREAM_SERVER, LIFTED_SERVER = "vllm.entrypoints.openai.api_server", "tests.vllm_plugin.lifted_api_server"
 EPLB_FLAGS = ("--enable-expert-parallel", "--enable-eplb", "--eplb-config")
 START_TIMEOUT_S = 480
 # No compile caches: a cache hit would serve a graph without running the pass (see test_engine.py).
@@ -63,10 +68,10 @@ def expand(argv: list[str], values: dict[str, str]) -> list[str]:
     return out
 
 
-def start_server(command: str, model_dir: Path, log: Path, *, eplb: bool) -> SimpleNamespace:
+def start_server(command: str, model_dir: Path, log: Path, *, eplb: bool, env_extra: dict | None = None) -> SimpleNamespace:
     port = str(free_port())
     env_assignments, argv = server_argv(command, eplb=eplb)
-    env = {**os.environ, **NO_CACHES, **env_assignments, "MODEL_DIR": str(model_dir), "PORT": port}
+    env = {**os.environ, **NO_CACHES, **env_assignments, **(env_extra or {}), "MODEL_DIR": str(model_dir), "PORT": port}
     handle = log.open("w")
     process = subprocess.Popen(
         expand(argv, {"MODEL_DIR": str(model_dir), "PORT": port}), env=env, stdout=handle, stderr=subprocess.STDOUT,
@@ -110,19 +115,25 @@ def completion(server: SimpleNamespace, model_dir: Path, prompt: str, max_tokens
         return json.loads(response.read())
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("server")
-    write_checkpoint, = quickstart_blocks(SECTION, "python")
-    serve, curl = quickstart_blocks(SECTION, "bash")
+def serve_quickstart(section: str, workdir: Path, *, fp8: bool = False) -> dict:
+    """The section's checkpoint written, its server started with EPLB on and off, queried, stopped."""
+    write_checkpoint, = quickstart_blocks(section, "python")
+    serve, = quickstart_blocks(section, "bash")[:1]
+    curl = quickstart_blocks(SECTION, "bash")[1]
+    env_extra = None
+    if fp8:
+        serve = serve.replace(f"-m {UPSTREAM_SERVER}", f"-m {LIFTED_SERVER}") + (
+            f" --max-num-batched-tokens {EXACT_TOKENS_PER_EXPERT}")
+        env_extra = {LIFT_ENV: "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     model_dir = workdir / "tiny-qwen3-moe"
     argv = sys.argv
     sys.argv = ["quickstart", str(model_dir)]
     try:
-        exec(compile(write_checkpoint, "quickstart-hf.md[checkpoint]", "exec"), {"__name__": "quickstart"})
+        exec(compile(write_checkpoint, f"quickstart-hf.md[{section}]", "exec"), {"__name__": "quickstart"})
     finally:
         sys.argv = argv
-    started = {name: start_server(serve, model_dir, workdir / f"{name}.log", eplb=name == "on") for name in ("on", "off")}
+    started = {name: start_server(serve, model_dir, workdir / f"{name}.log", eplb=name == "on", env_extra=env_extra)
+               for name in ("on", "off")}
     try:
         for server in started.values():
             wait_until_ready(server)
@@ -140,12 +151,23 @@ def servers(tmp_path_factory):
     return results
 
 
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    return serve_quickstart(SECTION, tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture(scope="module")
+def fp8_servers(tmp_path_factory):
+    return serve_quickstart(FP8_SECTION, tmp_path_factory.mktemp("server_fp8"), fp8=True)
+
+
 def texts(response: dict) -> list[str]:
     return [choice["text"] for choice in response["choices"]]
 
 
-def test_completions_are_identical_with_eplb_on_and_off(servers):
-    on, off = servers["on"], servers["off"]
+@pytest.mark.parametrize("pair", ["servers", "fp8_servers"])
+def test_completions_are_identical_with_eplb_on_and_off(request, pair):
+    on, off = (request.getfixturevalue(pair)[name] for name in ("on", "off"))
     assert texts(on["quickstart"]) == texts(off["quickstart"])
     assert len(texts(on["quickstart"])[0].split()) == 16  # the tokenizer decodes every generated id
     assert [texts(r) for r in on["longer"]] == [texts(r) for r in off["longer"]]
@@ -162,6 +184,14 @@ def test_each_worker_logs_that_graph_mode_eplb_is_active_and_upstream_rearranged
     assert "eplb-graph active" not in servers["off"]["log"]
 
 
+def test_an_fp8_checkpoint_moves_its_block_scales_with_its_experts(fp8_servers):
+    log = fp8_servers["on"]["log"]
+    active = [line for line in log.splitlines() if "eplb-graph active on cpu" in line]
+    assert len(active) == 1, log[-4000:]
+    assert active[0].endswith("each expert moves with w13_weight, w2_weight, w13_weight_scale_inv, w2_weight_scale_inv")
+    assert "Using CPU Fp8 MoE backend" in log and log.count("Rearranging experts (async mode)") >= 3
+
+
 def test_the_active_line_names_each_layer_and_mechanism():
     from eplb_graph.vllm_plugin.worker import log_active
 
@@ -169,7 +199,10 @@ def test_the_active_line_names_each_layer_and_mechanism():
     runner = SimpleNamespace(device="cpu", parallel_config=SimpleNamespace(eplb_config=eplb))
     layers = [SimpleNamespace(key="model.layers.0.mlp.experts", mapped_by="graph_pass"),
               SimpleNamespace(key="model.layers.1.mlp.experts", mapped_by="router_adapter")]
-    line = log_active(SimpleNamespace(runner=runner, layers=layers))
+    views = {layer.key: SimpleNamespace(moved={"w13_weight": 0, "w2_weight": 0}, derived={"w1_alphas": 0})
+             for layer in layers}
+    line = log_active(SimpleNamespace(runner=runner, layers=layers, expert_views=views))
     assert line.startswith("eplb-graph active on cpu: 2 MoE layers bound (model.layers.0.mlp.experts: graph_pass, "
                            "model.layers.1.mlp.experts: router_adapter)")
     assert "last 10 steps before each rearrangement, every 30 steps" in line and "2 redundant experts, async EPLB" in line
+    assert line.endswith("each expert moves with w13_weight, w2_weight, w1_alphas")

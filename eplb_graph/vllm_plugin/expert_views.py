@@ -1,0 +1,111 @@
+"""Expert-weight views of vLLM's MoE layers: what the fused-MoE kernel reads is what upstream moves.
+
+Upstream's EPLB moves each layer's ``get_expert_weights()``: every parameter of its
+``RoutedExperts`` as an [E, -1] view, collected after ``process_weights_after_loading``, so the
+storage a kernel repacked at load (VNNI-packed FP8, blocked scales) is what moves. The kernel
+reads the two weights its quant method passes at ``apply`` (``layer.w13_weight``,
+``layer.w2_weight``), the tensors of the quant config its experts object holds (weight and
+activation scales, global scales / alphas, zero points, biases) and any tensor the experts object
+keeps itself.
+
+``ExpertWeightView`` proves at start, per layer, that these are one storage (invariant 5), with
+the layout check our own formats use (``weight_views``). An expert-major tensor the kernel reads
+that no parameter holds -- per-expert state a method derives after loading -- is added to what
+upstream moves, so it follows its expert; one shared by every expert (a per-tensor input scale, a
+broadcast view) needs no move. A quant method without a view is refused by name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eplb_graph.weight_views import check_view_layout, outside_view, shares_storage
+
+# vLLM's MoE quant methods with a view, and the quantization names (``quantization=`` or a
+# checkpoint's ``quant_method``) that build them. Each runs a modular kernel: its inputs are visible.
+VIEWED_MOE_METHODS: dict[str, tuple[str | None, ...]] = {
+    "UnquantizedFusedMoEMethod": (None,),
+    "Fp8MoEMethod": ("fp8",),  # pre-quantized FP8: per-tensor, per-channel, 128x128 blocks
+    "Fp8PerTensorOnlineMoEMethod": ("fp8", "fp8_per_tensor"),  # online, from a bf16/fp16 checkpoint
+    "Fp8PerBlockOnlineMoEMethod": ("fp8_per_block",),
+    "Fp8PtpcOnlineMoEMethod": ("fp8_per_channel",),
+}
+SUPPORTED_QUANTIZATIONS: tuple[str | None, ...] = (None, "fp8", "fp8_per_block", "fp8_per_channel", "fp8_per_tensor")
+QUANT_OPERANDS = ("a1", "a2", "w1", "w2")
+QUANT_FIELDS = ("scale", "alpha_or_gscale", "zp", "bias")
+
+
+class ExpertViewError(ValueError):
+    """A MoE layer's kernel reads expert storage that upstream's EPLB would not move."""
+
+
+def kernel_inputs(routed_experts: torch.nn.Module, owner: str) -> dict[str, torch.Tensor]:
+    """Every tensor the layer's fused-MoE kernel reads, by name."""
+    kernel = getattr(routed_experts.quant_method, "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None:
+        raise ExpertViewError(f"{owner}: the quant method runs no modular kernel, so what it reads is not visible")
+    inputs = {"w13_weight": routed_experts.w13_weight, "w2_weight": routed_experts.w2_weight}
+    for operand in QUANT_OPERANDS:
+        desc = getattr(experts.quant_config, f"_{operand}")
+        inputs.update(
+            (f"{operand}_{field}", value) for field in QUANT_FIELDS
+            if isinstance(value := getattr(desc, field), torch.Tensor)
+        )
+    inputs.update((f"experts.{name}", value) for name, value in vars(experts).items() if isinstance(value, torch.Tensor))
+    return inputs
+
+
+class ExpertWeightView:
+    """One layer's expert storage: what upstream moves, completed with what else its kernel reads
+    per expert (``derived``, appended to upstream's list by ``complete_move_list``)."""
+
+    def __init__(self, layer_name: str, routed_experts: torch.nn.Module, moved: list[torch.Tensor]) -> None:
+        method = type(routed_experts.quant_method).__name__
+        self.layer_name = layer_name
+        self.owner = f"layer {layer_name} ({method})"
+        if method not in VIEWED_MOE_METHODS:
+            raise ExpertViewError(
+                f"{self.owner}: no expert-weight view for this quant method, so EPLB cannot move its experts "
+                f"(viewed: {', '.join(VIEWED_MOE_METHODS)})"
+            )
+        self.num_local_experts = int(routed_experts.local_num_experts)
+        parameters = dict(routed_experts.named_parameters())
+        self.moved = {  # upstream's [E, -1] views, named by the parameter whose storage each is
+            next((name for name, p in parameters.items() if shares_storage(p, t)), f"moved[{i}]"): t
+            for i, t in enumerate(moved)
+        }
+        try:
+            check_view_layout(self.owner, self.moved, self.num_local_experts)
+            inputs = kernel_inputs(routed_experts, self.owner)
+            self.derived = {name: inputs[name] for name in outside_view(self.moved, inputs, self.num_local_experts)}
+            check_view_layout(self.owner, self.derived, self.num_local_experts)  # moved row by row, as the rest
+        except ValueError as error:
+            raise ExpertViewError(str(error)) from None
+        # what each kernel input is: the moved tensor it is, derived (moved by us), or shared by all experts
+        self.kernel_reads = {
+            name: "derived" if name in self.derived else next(
+                (moved for moved, t in self.moved.items() if shares_storage(t, tensor)), "shared")
+            for name, tensor in inputs.items()
+        }
+
+    def summary(self) -> dict:
+        return {"moved": list(self.moved), "derived": list(self.derived), "kernel_reads": self.kernel_reads}
+
+
+def complete_move_list(views: list[ExpertWeightView], model_state) -> None:
+    """Appends each layer's derived tensors to upstream's per-layer move lists (one staging buffer
+    each: upstream sizes its buffers from layer 0), before any rearrangement reads them."""
+    derived = {tuple((name, tuple(t.shape), t.dtype) for name, t in view.derived.items()) for view in views}
+    if len(derived) > 1:  # upstream moves every layer through one buffer list
+        raise ExpertViewError(f"MoE layers differ in their derived expert tensors: {sorted(derived)}")
+    if not any(view.derived for view in views):
+        return
+    if type(model_state.communicator).__name__ == "NixlEplbCommunicator":  # registered its tensors when built
+        raise ExpertViewError(f"{views[0].owner}: derived expert tensors {list(views[0].derived)} cannot move "
+                              f"through the NIXL communicator; use torch_gloo or torch_nccl")
+    for index, view in enumerate(views):
+        extra = [t.view(view.num_local_experts, -1) for t in view.derived.values()]
+        model_state.model.expert_weights[index].extend(extra)
+        if index == 0:
+            model_state.expert_buffer.extend(torch.empty_like(t) for t in extra)

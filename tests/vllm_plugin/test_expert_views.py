@@ -1,0 +1,103 @@
+"""ExpertWeightView on stand-ins for vLLM's RoutedExperts: the real quant-method classes and the
+real FusedMoEQuantConfig the kernel reads, the parameters a layer holds after loading, and the
+move lists upstream collects from them (its ``get_expert_weights``: every parameter as [E, -1])."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config  # noqa: E402
+from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod  # noqa: E402
+from vllm.model_executor.layers.quantization.online.fp8 import Fp8PerBlockOnlineMoEMethod  # noqa: E402
+
+from eplb_graph.vllm_plugin.expert_views import (  # noqa: E402
+    ExpertViewError,
+    ExpertWeightView,
+    complete_move_list,
+)
+
+E = 6
+
+
+class Experts(torch.nn.Module):
+    """A block-FP8 RoutedExperts after loading: weights and block scales as parameters, the
+    kernel holding the scales (and whatever else ``kernel_state`` names) in its quant config."""
+
+    def __init__(self, method=Fp8MoEMethod, **kernel_state) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.w13_weight = torch.nn.Parameter(torch.randn(E, 16, 8, generator=gen).to(torch.float8_e4m3fn), requires_grad=False)
+        self.w2_weight = torch.nn.Parameter(torch.randn(E, 8, 8, generator=gen).to(torch.float8_e4m3fn), requires_grad=False)
+        self.w13_weight_scale_inv = torch.nn.Parameter(torch.rand(E, 1, 1, generator=gen), requires_grad=False)
+        self.w2_weight_scale_inv = torch.nn.Parameter(torch.rand(E, 1, 1, generator=gen), requires_grad=False)
+        self.local_num_experts = E
+        quant_config = fp8_w8a8_moe_quant_config(
+            self.w13_weight_scale_inv, self.w2_weight_scale_inv, block_shape=[128, 128], **kernel_state)
+        self.quant_method = method.__new__(method)  # the real class; its kernel stands in
+        self.quant_method.moe_kernel = SimpleNamespace(fused_experts=SimpleNamespace(quant_config=quant_config))
+
+    def upstream_move_list(self) -> list[torch.Tensor]:
+        return [p.view(E, -1) for p in self.parameters()]
+
+
+def test_a_block_fp8_layers_kernel_reads_only_what_upstream_moves():
+    experts = Experts()
+    view = ExpertWeightView("layers.0", experts, experts.upstream_move_list())
+    assert list(view.moved) == ["w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"]
+    assert view.derived == {}
+    assert view.kernel_reads == {"w13_weight": "w13_weight", "w2_weight": "w2_weight",
+                                 "w1_scale": "w13_weight_scale_inv", "w2_scale": "w2_weight_scale_inv"}
+
+
+def test_a_scale_shared_by_every_expert_needs_no_move():
+    experts = Experts(Fp8PerBlockOnlineMoEMethod, a1_scale=torch.ones(1), a2_scale=torch.ones(1).expand(E))
+    view = ExpertWeightView("layers.0", experts, experts.upstream_move_list())
+    assert view.kernel_reads["a1_scale"] == view.kernel_reads["a2_scale"] == "shared" and view.derived == {}
+
+
+def test_per_expert_kernel_state_no_parameter_holds_is_added_to_what_upstream_moves():
+    """FlashInfer's FP8 keeps per-expert alphas (scale products) only in its quant config."""
+    experts = Experts(g1_alphas=torch.rand(E), g2_alphas=torch.rand(E))
+    layers = [experts, Experts(g1_alphas=torch.rand(E), g2_alphas=torch.rand(E))]
+    moved = [layer.upstream_move_list() for layer in layers]
+    views = [ExpertWeightView(f"layers.{i}", layer, moved[i]) for i, layer in enumerate(layers)]
+    assert list(views[0].derived) == ["w1_alpha_or_gscale", "w2_alpha_or_gscale"]
+    model_state = SimpleNamespace(model=SimpleNamespace(expert_weights=moved), communicator=None,
+                                  expert_buffer=[torch.empty_like(t) for t in moved[0]])
+    complete_move_list(views, model_state)
+    for layer, tensors in zip(layers, moved):  # upstream now moves the alphas' own storage, row per expert
+        alphas = layer.quant_method.moe_kernel.fused_experts.quant_config.g1_alphas
+        assert len(tensors) == 6 and tensors[4].shape == (E, 1) and tensors[4].data_ptr() == alphas.data_ptr()
+    assert [tuple(b.shape) for b in model_state.expert_buffer[4:]] == [(E, 1), (E, 1)]
+
+
+def test_layers_deriving_different_state_are_refused():
+    plain, alphas = Experts(), Experts(g1_alphas=torch.rand(E))
+    views = [ExpertWeightView(f"layers.{i}", x, x.upstream_move_list()) for i, x in enumerate((plain, alphas))]
+    with pytest.raises(ExpertViewError, match="differ in their derived expert tensors"):
+        complete_move_list(views, SimpleNamespace())
+
+
+def test_per_expert_kernel_state_that_cannot_move_row_by_row_is_refused():
+    experts = Experts(g1_alphas=torch.rand(2, E).t())  # [E, 2], not contiguous
+    with pytest.raises(ExpertViewError, match=r"layer layers.0 \(Fp8MoEMethod\): view tensor w1_alpha_or_gscale"):
+        ExpertWeightView("layers.0", experts, experts.upstream_move_list())
+
+
+def test_a_quant_method_without_a_view_is_refused_by_name():
+    experts = Experts()
+    experts.quant_method = SimpleNamespace()
+    with pytest.raises(ExpertViewError, match=r"layer layers.3 \(SimpleNamespace\): no expert-weight view"):
+        ExpertWeightView("layers.3", experts, experts.upstream_move_list())
+
+
+def test_a_method_running_no_modular_kernel_is_refused():
+    experts = Experts()
+    experts.quant_method.moe_kernel = None
+    with pytest.raises(ExpertViewError, match="runs no modular kernel"):
+        ExpertWeightView("layers.0", experts, experts.upstream_move_list())
