@@ -5,18 +5,17 @@ classes live in heavy modules (the GPU runner module alone takes seconds to impo
 frontend process never needs, and the plugin loads in every vLLM process: importing them at
 plugin load would slow every engine start, EPLB on or off. So the plugin wraps
 ``load_model`` of each runner class when vLLM itself imports the class's module (or at once,
-if it is already imported); a module nobody imports is never touched.
+if it is already imported: ``import_hooks``).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import sys
 from collections.abc import Callable
 from types import ModuleType
 
 from .ascend import ASCEND_RUNNERS
+from .import_hooks import call_after_import
 
 # (module, class) of every runner whose load_model is wrapped. The CPU runner overrides
 # load_model without calling the GPU runner's, so each class is wrapped on its own.
@@ -60,35 +59,6 @@ def wrap_load_model(runner_class: type) -> None:
     runner_class.load_model = load_model
 
 
-class AfterImport(importlib.abc.MetaPathFinder):
-    """Calls ``callbacks[name](module)`` once the named module has executed; finds nothing itself."""
-
-    def __init__(self, callbacks: dict[str, Callable[[ModuleType], None]]) -> None:
-        self.callbacks = callbacks
-
-    def find_spec(self, fullname, path, target=None):
-        callback = self.callbacks.get(fullname)
-        if callback is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            upstream_exec = spec.loader.exec_module  # a loader instance serves this one module
-
-            def exec_module(module: ModuleType) -> None:
-                upstream_exec(module)
-                callback(module)
-
-            spec.loader.exec_module = exec_module
-        return spec
-
-
 def _wrap_class_of(class_name: str) -> Callable[[ModuleType], None]:
     def wrap(module: ModuleType) -> None:
         runner_class = getattr(module, class_name, None)
@@ -100,12 +70,5 @@ def _wrap_class_of(class_name: str) -> Callable[[ModuleType], None]:
 
 def install_runner_hooks() -> None:
     """Wraps the runners already imported and every runner module imported from now on. Idempotent."""
-    pending = {}
     for module_name, class_name in RUNNERS:
-        module = sys.modules.get(module_name)
-        if module is not None:
-            _wrap_class_of(class_name)(module)
-        else:
-            pending[module_name] = _wrap_class_of(class_name)
-    if pending and not any(isinstance(finder, AfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, AfterImport(pending))
+        call_after_import(module_name, f"eplb-graph runner {class_name}", _wrap_class_of(class_name))

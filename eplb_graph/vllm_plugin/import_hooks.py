@@ -1,0 +1,59 @@
+"""Calling back once a module has been imported, without importing it ourselves.
+
+The plugin loads in every vLLM process; the modules it adapts (model runners, quant methods)
+are heavy and many processes never need them, so each adaptation waits for vLLM's own import
+of its module (or runs at once, if the module is already imported). One finder serves every
+hook; a module nobody imports is never touched.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+from types import ModuleType
+
+
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Calls each of ``callbacks[name]`` with the module once it has executed; finds nothing itself."""
+
+    def __init__(self) -> None:
+        self.callbacks: dict[str, dict[str, Callable[[ModuleType], None]]] = defaultdict(dict)
+
+    def find_spec(self, fullname, path, target=None):
+        callbacks = self.callbacks.get(fullname)
+        if not callbacks:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            upstream_exec = spec.loader.exec_module  # a loader instance serves this one module
+
+            def exec_module(module: ModuleType) -> None:
+                upstream_exec(module)
+                for callback in list(callbacks.values()):
+                    callback(module)
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def call_after_import(module_name: str, key: str, callback: Callable[[ModuleType], None]) -> None:
+    """``callback(module)`` now if ``module_name`` is imported, else right after vLLM imports it;
+    one callback per ``key``, so installing twice changes nothing."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        callback(module)
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, AfterImport)), None)
+    if finder is None:
+        finder = AfterImport()
+        sys.meta_path.insert(0, finder)
+    finder.callbacks[module_name][key] = callback
