@@ -22,6 +22,31 @@ from pathlib import Path
 ROW_MARK = "MATRIX_ROW "
 STATUSES = ("works", "refused", "cannot-build", "failed")
 
+# The vLLM plugin's quantizations (eplb_graph/vllm_plugin/expert_views.py: VIEWED_MOE_METHODS);
+# what moves is what the engine tests see (tests/vllm_plugin/test_engine_quantized.py).
+QUANTIZATION_NOTES = """\
+## Quantized checkpoints in the vLLM plugin
+
+With `enable_eplb=True` the plugin accepts the quantizations whose MoE kernel reads storage an
+expert-weight view proves upstream moves (`eplb_graph/vllm_plugin/expert_views.py`, checked per
+layer at start); any other is refused by name at start, a quantization named in the arguments or
+found in the checkpoint alike.
+
+| quantization | vLLM builds | moves with each expert (vLLM's CPU backend) | on vLLM's CPU engine here |
+| --- | --- | --- | --- |
+| none | `UnquantizedFusedMoEMethod` | `w13_weight`, `w2_weight` | tested |
+| `fp8` (pre-quantized checkpoint: `quant_method: fp8`) | `Fp8MoEMethod` | VNNI-packed `w13_weight`, `w2_weight`, block scales `w13_weight_scale_inv`, `w2_weight_scale_inv` | tested with `[128, 128]` blocks (DeepSeek-V3's format), the only scheme vLLM 0.32's CPU FP8 experts take (`CPUExpertsFp8._supports_quant_scheme`) |
+| `fp8_per_block` (online, from bf16) | `Fp8PerBlockOnlineMoEMethod` | as `fp8` | tested |
+| `fp8_per_tensor`, `fp8_per_channel` (online; `fp8` on a bf16 checkpoint is `fp8_per_tensor`) | `Fp8PerTensorOnlineMoEMethod`, `Fp8PtpcOnlineMoEMethod` | the weights and their scales (same check) | not runnable: vLLM 0.32's CPU build has no per-tensor / per-token FP8 quant op (`_C::static_scaled_fp8_quant() -> ()`), EPLB on or off |
+| `compressed-tensors` int4 (`pack-quantized`, W4A16 as declared) | `CompressedTensorsWNA16MoEMethod` on the CPU backend, run as W4A8 (int8 activations) | blocked int4 `w13_weight_packed`, `w2_weight_packed`, scales, the zero points created at load, `weight_shape` | tested (group 128); upstream refuses EPLB for the method, the plugin serves it on the CPU backend (`quant_methods.py`) |
+
+Not served: compressed-tensors W4A8-int8 (`CompressedTensorsW4A8Int8MoEMethod`: its CPU kernel,
+`dynamic_4bit_int_moe`, runs only on AArch64 and upstream refuses EPLB for it), and every other
+MoE quant method (refused by name). vLLM 0.32 runs its FP8 and int4 CPU MoE experts only where
+the CPU has AMX tiles; the tests admit them on the AMX-less hosts here and say what that does not
+prove (`tests/vllm_plugin/cpu_quantized_experts.py`).
+"""
+
 ROUTER_NOTES = """\
 ## How each kind of router is handled
 
@@ -117,7 +142,7 @@ def markdown(rows: list[dict], backends: tuple[str, ...], versions: dict[str, st
         cells = [row["family"], f"`{row.get('model_class', '')}`" if row.get("model_class") else "", row.get("router", ""),
                  row.get("implementation", ""), mapped_cell(row), *(diff_cell(row, b) for b in backends), result]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\n" + ROUTER_NOTES
+    return "\n".join(lines) + "\n\n" + ROUTER_NOTES + "\n" + QUANTIZATION_NOTES
 
 
 def main() -> int:

@@ -87,22 +87,70 @@ def write_tiny_qwen3_moe_fp8_checkpoint(directory: str | Path, *, seed: int = 0,
     DeepSeek-V3's and Qwen3-MoE-FP8's checkpoints (``quant_method: fp8``, ``weight_block_size``,
     ``weight_scale_inv``); attention, the router and the head stay float (``ignored_layers``).
     The experts' widths default to one whole block."""
-    from safetensors.torch import load_file, save_file
+    def fp8(name, weight):
+        quantized, scale_inv = quantize_fp8_blocks(weight)
+        return {name: quantized, name.removesuffix("weight") + "weight_scale_inv": scale_inv}
 
     overrides = {"hidden_size": FP8_BLOCK, "moe_intermediate_size": FP8_BLOCK, **overrides}
-    directory = write_tiny_qwen3_moe_checkpoint(directory, seed=seed, **overrides)
-    (weights_file,) = directory.glob("*.safetensors")
-    tensors = load_file(weights_file)
-    for name in [n for n in tensors if ".mlp.experts." in n and n.endswith("_proj.weight")]:
-        tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = quantize_fp8_blocks(tensors[name])
-    save_file(tensors, weights_file, metadata={"format": "pt"})
-    config = json.loads((directory / "config.json").read_text())
-    layers = range(config["num_hidden_layers"])
-    config["quantization_config"] = {
+    layers = range({**TINY_QWEN3_MOE, **overrides}["num_hidden_layers"])
+    return _with_quantized_experts(directory, seed, overrides, fp8, {
         "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
         "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
         "ignored_layers": [f"model.layers.{i}.{module}" for i in layers for module in
                            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate")],
-    }
+    })
+
+
+INT4_GROUP = 128
+
+
+def quantize_int4_groups(weight, group: int = INT4_GROUP):
+    """weight [O, I] -> (ints in [-8, 7] as int8 [O, I], scale bfloat16 [O, I/group]): symmetric, one
+    scale per group of ``group`` inputs, as GPTQ / RTN int4 checkpoints store it."""
+    import torch
+
+    grouped = weight.float().unflatten(1, (-1, group))  # [O, I/group, group]
+    scale = (grouped.abs().amax(dim=-1) / 7).clamp_min(1e-8).bfloat16()
+    q = torch.round(grouped / scale.float().unsqueeze(-1)).clamp(-8, 7).to(torch.int8).flatten(1)
+    return q, scale
+
+
+def write_tiny_qwen3_moe_int4_checkpoint(directory: str | Path, *, seed: int = 0, **overrides) -> Path:
+    """The seeded checkpoint with its routed experts stored as int4, in compressed-tensors'
+    pack-quantized format (as llm-compressor writes W4A16 checkpoints: ``weight_packed`` int32
+    [O, I/8], ``weight_scale`` [O, I/group], ``weight_shape``); vLLM's CPU experts run it as W4A8.
+    Attention, the router and the head stay float (``ignore``). Widths default to one group."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    def int4(name, weight):
+        q, scale = quantize_int4_groups(weight)
+        base = name.removesuffix("weight")
+        return {base + "weight_packed": pack_to_int32(q, 4, packed_dim=1), base + "weight_scale": scale,
+                base + "weight_shape": torch.tensor(list(weight.shape), dtype=torch.int64)}
+
+    overrides = {"hidden_size": INT4_GROUP, "moe_intermediate_size": INT4_GROUP, **overrides}
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": INT4_GROUP,
+               "dynamic": False}
+    return _with_quantized_experts(directory, seed, overrides, int4, {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized", "weights": weights,
+                                      "input_activations": None, "output_activations": None}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$"], "kv_cache_scheme": None,
+    })
+
+
+def _with_quantized_experts(directory, seed: int, overrides: dict, quantize, quantization_config: dict) -> Path:
+    """The seeded checkpoint, each routed expert weight replaced by ``quantize(name, weight)``'s tensors."""
+    from safetensors.torch import load_file, save_file
+
+    directory = write_tiny_qwen3_moe_checkpoint(directory, seed=seed, **overrides)
+    (weights_file,) = directory.glob("*.safetensors")
+    tensors = load_file(weights_file)
+    for name in [n for n in tensors if ".mlp.experts." in n and n.endswith("_proj.weight")]:
+        tensors.update(quantize(name, tensors.pop(name)))
+    save_file({name: t.contiguous() for name, t in tensors.items()}, weights_file, metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = quantization_config
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory

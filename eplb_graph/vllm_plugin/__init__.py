@@ -4,7 +4,8 @@ The ``vllm.general_plugins`` entry point ``register`` runs in every vLLM process
 engine core, workers). EPLB off: nothing but the op registration and two wrappers that
 defer to upstream. EPLB on: the config gate checks the request, lifts the CPU refusal and
 installs the pass; after each model runner loads its model, ``VllmEplbWorker`` binds
-every MoE layer (``runner_hooks.py``).
+every MoE layer (``runner_hooks.py``); quant methods upstream refuses EPLB for but whose
+experts have a view are served (``quant_methods.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ def register() -> None:
     import eplb_graph.custom_ops  # noqa: F401  (the ops, in every vLLM process)
 
     from .config_gate import install_engine_config_gate
+    from .quant_methods import install_quant_method_hooks
 
     install_engine_config_gate()
     install_runner_hooks()
+    install_quant_method_hooks()

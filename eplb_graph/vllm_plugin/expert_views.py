@@ -29,8 +29,11 @@ VIEWED_MOE_METHODS: dict[str, tuple[str | None, ...]] = {
     "Fp8PerTensorOnlineMoEMethod": ("fp8", "fp8_per_tensor"),  # online, from a bf16/fp16 checkpoint
     "Fp8PerBlockOnlineMoEMethod": ("fp8_per_block",),
     "Fp8PtpcOnlineMoEMethod": ("fp8_per_channel",),
+    # int4 weights (pack-quantized): W4A8 on vLLM's CPU backend (quant_methods.py)
+    "CompressedTensorsWNA16MoEMethod": ("compressed-tensors",),
 }
-SUPPORTED_QUANTIZATIONS: tuple[str | None, ...] = (None, "fp8", "fp8_per_block", "fp8_per_channel", "fp8_per_tensor")
+SUPPORTED_QUANTIZATIONS: tuple[str | None, ...] = tuple(
+    dict.fromkeys(name for names in VIEWED_MOE_METHODS.values() for name in names))
 QUANT_OPERANDS = ("a1", "a2", "w1", "w2")
 QUANT_FIELDS = ("scale", "alpha_or_gscale", "zp", "bias")
 

@@ -54,7 +54,15 @@ def test_the_markdown_counts_rows_and_names_the_versions():
     assert "transformers 9.9, torch 2.x" in text
     assert "2 families checked of the 55 that use `use_experts_implementation`: 0 works, 1 refused, 1 cannot-build, 0 failed" in text
     assert "| x |" in text and "cannot-build: a \\| b |" in text
-    assert "## How each kind of router is handled" in text
+    assert "## How each kind of router is handled" in text and "## Quantized checkpoints in the vLLM plugin" in text
+
+
+def test_the_committed_matrix_lists_every_quantization_the_plugin_serves():
+    from eplb_graph.vllm_plugin.expert_views import SUPPORTED_QUANTIZATIONS, VIEWED_MOE_METHODS
+
+    section = MATRIX.read_text().split("## Quantized checkpoints in the vLLM plugin", 1)[1]
+    for name in [q for q in SUPPORTED_QUANTIZATIONS if q] + list(VIEWED_MOE_METHODS):
+        assert f"`{name}`" in section, name
 
 
 def test_the_committed_matrix_covers_every_family_of_the_installed_transformers():

@@ -6,10 +6,10 @@ worker's EPLB state can be read directly after generation; ``--engine-process`` 
 vLLM's default separate engine-core process, and then only the tokens come back.
 
 ``--weights`` picks the checkpoint: float32 (the default), online FP8 from a bf16 checkpoint
-(``quantization="fp8_per_block"``, the routed experts only) or a pre-quantized block-FP8
-checkpoint; the FP8 runs use bfloat16 activations and at most ``EXACT_TOKENS_PER_EXPERT`` tokens
-per step, under which vLLM's CPU FP8 kernel gives every token the same row in any batch
-(cpu_fp8.py). ``--hide-scales-from-upstream`` drops the FP8 scales from what upstream's EPLB
+(``quantization="fp8_per_block"``, the routed experts only), a pre-quantized block-FP8
+checkpoint or an int4 (compressed-tensors pack-quantized) one; the quantized runs use bfloat16
+activations and at most ``EXACT_TOKENS_PER_EXPERT`` tokens per step, under which vLLM's CPU
+kernels give every token the same row in any batch (cpu_quantized_experts.py). ``--hide-scales-from-upstream`` drops the FP8 scales from what upstream's EPLB
 collects to move, as a quant method whose kernel state is no parameter would: the plugin's view
 must find them and move them itself.
 """
@@ -22,12 +22,17 @@ import os
 import sys
 import tempfile
 
-from tests.vllm_plugin.cpu_fp8 import EXACT_TOKENS_PER_EXPERT, LIFT_ENV, lift_if_asked
+from tests.vllm_plugin.cpu_quantized_experts import EXACT_TOKENS_PER_EXPERT, LIFT_ENV, lift_if_asked
 
 lift_if_asked()  # at import: a spawned engine core imports this script too
 
 # the routed experts only: vLLM's CPU FP8 linear kernels are a separate matter
 FP8_ONLINE_IGNORE = ["*mlp.gate", "*self_attn.*"]
+CHECKPOINTS = {  # --weights -> the checkpoint writer (tiny_checkpoint's)
+    "fp8-online": "write_tiny_qwen3_moe_checkpoint",
+    "fp8-checkpoint": "write_tiny_qwen3_moe_fp8_checkpoint",
+    "int4-checkpoint": "write_tiny_qwen3_moe_int4_checkpoint",
+}
 
 def main() -> int:
     parser = argparse.ArgumentParser()
@@ -39,7 +44,7 @@ def main() -> int:
     parser.add_argument("--interval", type=int, default=8)
     parser.add_argument("--redundant", type=int, default=4)
     parser.add_argument("--engine-process", action="store_true", help="vLLM's default: engine core in its own process")
-    parser.add_argument("--weights", choices=["float32", "fp8-online", "fp8-checkpoint"], default="float32")
+    parser.add_argument("--weights", choices=["float32", *CHECKPOINTS], default="float32")
     parser.add_argument("--hide-scales-from-upstream", action="store_true")
     args = parser.parse_args()
 
@@ -52,20 +57,19 @@ def main() -> int:
 
     from eplb_graph.models import tiny_checkpoint
 
-    fp8 = args.weights != "float32"
-    if fp8:
+    quantized = args.weights != "float32"
+    if quantized:
         os.environ[LIFT_ENV] = "1"
         lift_if_asked()
     if args.hide_scales_from_upstream:
         hide_scales_from_upstream()
-    write = tiny_checkpoint.write_tiny_qwen3_moe_fp8_checkpoint if args.weights == "fp8-checkpoint" \
-        else tiny_checkpoint.write_tiny_qwen3_moe_checkpoint
+    write = getattr(tiny_checkpoint, CHECKPOINTS.get(args.weights, "write_tiny_qwen3_moe_checkpoint"))
     model_dir = write(tempfile.mkdtemp(prefix="eplb-graph-qwen3moe-"))
     kwargs = dict(
-        model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16" if fp8 else "float32",
+        model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16" if quantized else "float32",
         max_model_len=128, max_num_seqs=args.prompts, seed=0, enforce_eager=args.mode == "eager",
     )
-    if fp8:
+    if quantized:
         kwargs.update(max_num_batched_tokens=EXACT_TOKENS_PER_EXPERT)
     if args.weights == "fp8-online":
         kwargs.update(quantization="fp8_per_block", quantization_config={"ignore": FP8_ONLINE_IGNORE})

@@ -1,9 +1,9 @@
-"""vLLM's OpenAI server with its CPU FP8 experts admitted on this CPU (cpu_fp8.py), for test_server.py.
+"""vLLM's OpenAI server with its quantized CPU experts admitted on this CPU (cpu_quantized_experts.py), for test_server.py.
 
 Run as ``python -m tests.vllm_plugin.lifted_api_server <the server's arguments>``.
 """
 
-from tests.vllm_plugin.cpu_fp8 import lift_if_asked
+from tests.vllm_plugin.cpu_quantized_experts import lift_if_asked
 
 lift_if_asked()  # at import: the spawned engine core imports this module too
 

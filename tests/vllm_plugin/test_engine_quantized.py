@@ -1,11 +1,12 @@
-"""vLLM's engine (CPU build 0.32.0) with the plugin on FP8 checkpoints, end to end.
+"""vLLM's engine (CPU build 0.32.0) with the plugin on quantized checkpoints, end to end.
 
-Online FP8 (``quantization="fp8_per_block"`` from a bf16 checkpoint, the routed experts only)
-and a pre-quantized block-FP8 checkpoint (``quant_method: fp8``, ``weight_block_size``), EPLB
-on and off, compiled, window 4, interval 8, 4 redundant slots. vLLM's FP8 CPU experts are
-admitted on this AMX-less CPU by the test harness (cpu_fp8.py says what that does not prove);
-at most 4 tokens per step keep the kernel exact across batches, so EPLB on must give the very
-tokens of EPLB off: a scale left behind by a move would change them.
+Online FP8 (``quantization="fp8_per_block"`` from a bf16 checkpoint, the routed experts only),
+a pre-quantized block-FP8 checkpoint (``quant_method: fp8``, ``weight_block_size``) and an int4
+one (compressed-tensors pack-quantized, run as W4A8 by vLLM's CPU experts), EPLB on and off,
+compiled, window 4, interval 8, 4 redundant slots. vLLM's quantized CPU experts are admitted on
+this AMX-less CPU by the test harness (cpu_quantized_experts.py says what that does not prove);
+at most 4 tokens per step keep the kernels exact across batches, so EPLB on must give the very
+tokens of EPLB off: a scale or zero point left behind by a move would change them.
 """
 
 from __future__ import annotations
@@ -24,10 +25,16 @@ RUNS = {
     "online_on": ["--eplb", "on", "--weights", "fp8-online", *COMPILED],
     "checkpoint_off": ["--eplb", "off", "--weights", "fp8-checkpoint", *COMPILED],
     "checkpoint_on": ["--eplb", "on", "--weights", "fp8-checkpoint", *COMPILED],
+    "int4_off": ["--eplb", "off", "--weights", "int4-checkpoint", *COMPILED],
+    "int4_on": ["--eplb", "on", "--weights", "int4-checkpoint", *COMPILED],
     "checkpoint_on_scales_hidden": ["--eplb", "on", "--weights", "fp8-checkpoint", "--hide-scales-from-upstream",
                                     *COMPILED],
 }
 BLOCK_SCALES = ["w13_weight_scale_inv", "w2_weight_scale_inv"]
+FP8_READS = {"w13_weight": "w13_weight", "w2_weight": "w2_weight", "w1_scale": BLOCK_SCALES[0], "w2_scale": BLOCK_SCALES[1]}
+# the blocked int4 weights, their scales and the zero points the method creates at load
+INT4_READS = {"w13_weight": "w13_weight_packed", "w2_weight": "w2_weight_packed", "w1_scale": "w13_weight_scale",
+              "w1_zp": "w13_weight_zero_point", "w2_scale": "w2_weight_scale", "w2_zp": "w2_weight_zero_point"}
 
 
 @pytest.fixture(scope="module")
@@ -35,23 +42,22 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     return run_in_pairs(RUNS, tmp_path_factory.mktemp("engine_fp8"))
 
 
-@pytest.mark.parametrize("weights", ["online", "checkpoint"])
-def test_fp8_greedy_tokens_are_identical_with_eplb_on_and_off(runs, weights):
+@pytest.mark.parametrize("weights", ["online", "checkpoint", "int4"])
+def test_greedy_tokens_are_identical_with_eplb_on_and_off(runs, weights):
     off, on = runs[f"{weights}_off"]["tokens"], runs[f"{weights}_on"]["tokens"]
     assert on == off
     assert len({t for seq in off for t in seq}) >= 20  # the experts decide real, varied tokens
 
 
-@pytest.mark.parametrize("weights", ["online", "checkpoint"])
-def test_fp8_experts_move_with_their_block_scales_while_eplb_rearranges(runs, weights):
+@pytest.mark.parametrize(("weights", "reads"), [("online", FP8_READS), ("checkpoint", FP8_READS), ("int4", INT4_READS)])
+def test_experts_move_with_what_their_kernel_reads_while_eplb_rearranges(runs, weights, reads):
     eplb = runs[f"{weights}_on"]["eplb"]
     assert eplb["rearrangements_committed"] >= 3 and eplb["placement_changes"] >= 1
     assert eplb["worker_error"] is None and eplb["rejected_placements"] == []
     for key, view in eplb["expert_views"].items():
-        assert view["moved"] == ["w13_weight", "w2_weight", *BLOCK_SCALES] and view["derived"] == [], key
-        # the kernel reads the packed FP8 weights and the block scales, each one of the moved tensors
-        assert view["kernel_reads"] == {"w13_weight": "w13_weight", "w2_weight": "w2_weight",
-                                        "w1_scale": BLOCK_SCALES[0], "w2_scale": BLOCK_SCALES[1]}, key
+        # each tensor the kernel reads is one that upstream moves, nothing derived
+        assert view["kernel_reads"] == reads and set(reads.values()) <= set(view["moved"]), key
+        assert view["derived"] == [], key
     for key, layer in eplb["layers"].items():
         assert layer["mapped_by"] == "graph_pass" and layer["host_calls"] > 0, key
 
@@ -67,7 +73,7 @@ def test_scales_upstream_would_leave_behind_are_found_and_moved_by_the_view(runs
         assert view["moved"] == ["w13_weight", "w2_weight"] and view["derived"] == ["w1_scale", "w2_scale"], key
 
 
-def test_zero_recompiles_after_warm_up_with_fp8(runs):
+def test_zero_recompiles_after_warm_up_when_quantized(runs):
     for name in RUNS:
         assert runs[name]["recompiles_after_warm_up"] == 0, name
         assert runs[name]["pass_runs_after_warm_up"] == 0, name

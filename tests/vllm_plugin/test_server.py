@@ -1,8 +1,9 @@
 """vLLM's OpenAI server with the plugin, started exactly as docs/quickstart-hf.md says, on a local
 random checkpoint with a tokenizer: completions equal EPLB off, and each worker logs that
 graph-mode EPLB is active. Two servers (EPLB on and off) start side by side; then two more on
-the quickstart's FP8 checkpoint, through ``lifted_api_server`` (vLLM's FP8 CPU experts admitted
-on this AMX-less CPU, cpu_fp8.py) at EXACT_TOKENS_PER_EXPERT tokens a step."""
+the quickstart's FP8 checkpoint and two on its int4 one, through ``lifted_api_server`` (vLLM's
+quantized CPU experts admitted on this AMX-less CPU, cpu_quantized_experts.py) at
+EXACT_TOKENS_PER_EXPERT tokens a step."""
 
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ from types import SimpleNamespace
 import pytest
 
 from tests.eplb_graph.quickstart_blocks import quickstart_blocks
-from tests.vllm_plugin.cpu_fp8 import EXACT_TOKENS_PER_EXPERT, LIFT_ENV
+from tests.vllm_plugin.cpu_quantized_experts import EXACT_TOKENS_PER_EXPERT, LIFT_ENV
 
 pytest.importorskip("vllm")
 
 SECTION, FP8_SECTION = "vLLM: the OpenAI-compatible server", "vLLM: an FP8 checkpoint"
 REPO_ROOT = Path(__file__).parents[2]
+FP8_WRITER, INT4_WRITER = "write_tiny_qwen3_moe_fp8_checkpoint", "write_tiny_qwen3_moe_int4_checkpoint"
 UPSTREAM_SERVER, LIFTED_SERVER = "vllm.entrypoints.openai.api_server", "tests.vllm_plugin.lifted_api_server"
 EPLB_FLAGS = ("--enable-expert-parallel", "--enable-eplb", "--eplb-config")
 START_TIMEOUT_S = 480
@@ -115,13 +117,17 @@ def completion(server: SimpleNamespace, model_dir: Path, prompt: str, max_tokens
         return json.loads(response.read())
 
 
-def serve_quickstart(section: str, workdir: Path, *, fp8: bool = False) -> dict:
-    """The section's checkpoint written, its server started with EPLB on and off, queried, stopped."""
+def serve_quickstart(section: str, workdir: Path, *, quantized: bool = False, writer: str | None = None) -> dict:
+    """The section's checkpoint written (by ``writer`` instead of the FP8 one, as the section says
+    one may), its server started with EPLB on and off, queried, stopped."""
     write_checkpoint, = quickstart_blocks(section, "python")
+    if writer:
+        assert FP8_WRITER in write_checkpoint
+        write_checkpoint = write_checkpoint.replace(FP8_WRITER, writer)
     serve, = quickstart_blocks(section, "bash")[:1]
     curl = quickstart_blocks(SECTION, "bash")[1]
     env_extra = None
-    if fp8:
+    if quantized:
         serve = serve.replace(f"-m {UPSTREAM_SERVER}", f"-m {LIFTED_SERVER}") + (
             f" --max-num-batched-tokens {EXACT_TOKENS_PER_EXPERT}")
         env_extra = {LIFT_ENV: "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
@@ -158,18 +164,24 @@ def servers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp8_servers(tmp_path_factory):
-    return serve_quickstart(FP8_SECTION, tmp_path_factory.mktemp("server_fp8"), fp8=True)
+    return serve_quickstart(FP8_SECTION, tmp_path_factory.mktemp("server_fp8"), quantized=True)
+
+
+@pytest.fixture(scope="module")
+def int4_servers(tmp_path_factory):
+    return serve_quickstart(FP8_SECTION, tmp_path_factory.mktemp("server_int4"), quantized=True, writer=INT4_WRITER)
 
 
 def texts(response: dict) -> list[str]:
     return [choice["text"] for choice in response["choices"]]
 
 
-@pytest.mark.parametrize("pair", ["servers", "fp8_servers"])
+@pytest.mark.parametrize("pair", ["servers", "fp8_servers", "int4_servers"])
 def test_completions_are_identical_with_eplb_on_and_off(request, pair):
     on, off = (request.getfixturevalue(pair)[name] for name in ("on", "off"))
     assert texts(on["quickstart"]) == texts(off["quickstart"])
-    assert len(texts(on["quickstart"])[0].split()) == 16  # the tokenizer decodes every generated id
+    if pair == "servers":  # the tokenizer decodes every generated id (a quantized model may stop at EOS first)
+        assert len(texts(on["quickstart"])[0].split()) == 16
     assert [texts(r) for r in on["longer"]] == [texts(r) for r in off["longer"]]
     assert len({word for r in off["longer"] for text in texts(r) for word in text.split()}) >= 20
 
@@ -190,6 +202,16 @@ def test_an_fp8_checkpoint_moves_its_block_scales_with_its_experts(fp8_servers):
     assert len(active) == 1, log[-4000:]
     assert active[0].endswith("each expert moves with w13_weight, w2_weight, w13_weight_scale_inv, w2_weight_scale_inv")
     assert "Using CPU Fp8 MoE backend" in log and log.count("Rearranging experts (async mode)") >= 3
+
+
+def test_an_int4_checkpoint_moves_its_scales_and_zero_points_with_its_experts(int4_servers):
+    log = int4_servers["on"]["log"]
+    active = [line for line in log.splitlines() if "eplb-graph active on cpu" in line]
+    assert len(active) == 1, log[-4000:]
+    assert active[0].endswith("each expert moves with w13_weight_packed, w2_weight_packed, w13_weight_scale, "
+                              "w2_weight_scale, w2_weight_shape, w13_weight_shape, w13_weight_zero_point, "
+                              "w2_weight_zero_point")
+    assert log.count("Rearranging experts (async mode)") >= 3
 
 
 def test_the_active_line_names_each_layer_and_mechanism():

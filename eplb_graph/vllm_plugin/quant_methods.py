@@ -1,0 +1,44 @@
+"""Quant methods upstream refuses EPLB for, served where their expert-weight view holds.
+
+vLLM refuses EPLB when a MoE layer is built with a quant method whose ``supports_eplb`` is
+False, not for a difference in the data (its own comment) but because no move was written for
+the method. eplb-graph moves through upstream's mover what ``expert_views`` proves, layer by
+layer, to be the kernel's storage, so for the backends listed here the method answers True.
+Upstream reads ``supports_eplb`` only with EPLB on: EPLB off never reaches this (invariant 8).
+
+* ``CompressedTensorsWNA16MoEMethod`` on vLLM's CPU backend (int4 weights, pack-quantized;
+  ``CPUExpertsInt4`` runs them as W4A8, with int8 activations quantized per token): after
+  loading, every tensor its kernel reads is an expert-major parameter -- the blocked int4
+  weights, their scales and the zero points the method creates.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from .import_hooks import call_after_import
+
+WNA16_MODULE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16"
+WNA16_METHOD = "CompressedTensorsWNA16MoEMethod"
+EPLB_BACKENDS = ("CPU",)  # WNA16MoEBackend values whose layers have a view (Triton: upstream's own)
+_MARK = "__eplb_graph_supports_eplb__"
+
+
+def _serve_wna16(module: ModuleType) -> None:
+    method = getattr(module, WNA16_METHOD, None)
+    upstream = getattr(method, "supports_eplb", None)
+    if not isinstance(upstream, property):  # an upstream refactor: fail loudly, not bypass silently
+        raise RuntimeError(f"eplb-graph expects {WNA16_MODULE}.{WNA16_METHOD}.supports_eplb to be a property")
+    if getattr(upstream.fget, _MARK, False):
+        return
+
+    def supports_eplb(self) -> bool:
+        return upstream.fget(self) or self.wna16_backend.value in EPLB_BACKENDS
+
+    setattr(supports_eplb, _MARK, True)
+    method.supports_eplb = property(supports_eplb)
+
+
+def install_quant_method_hooks() -> None:
+    """Answers ``supports_eplb`` for the methods above once vLLM imports them. Idempotent."""
+    call_after_import(WNA16_MODULE, "eplb-graph supports_eplb", _serve_wna16)
