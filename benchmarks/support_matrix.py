@@ -30,7 +30,8 @@ QUANTIZATION_NOTES = """\
 With `enable_eplb=True` the plugin accepts the quantizations whose MoE kernel reads storage an
 expert-weight view proves upstream moves (`eplb_graph/vllm_plugin/expert_views.py`, checked per
 layer at start); any other is refused by name at start, a quantization named in the arguments or
-found in the checkpoint alike.
+found in the checkpoint alike: by the config gate, or, within a family such as compressed-tensors,
+when the layer is built (upstream's `supports_eplb`) or bound (the view), before serving.
 
 | quantization | vLLM builds | moves with each expert (vLLM's CPU backend) | on vLLM's CPU engine here |
 | --- | --- | --- | --- |

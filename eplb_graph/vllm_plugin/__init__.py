@@ -1,12 +1,12 @@
 """eplb-graph as a vLLM plugin: ``enable_eplb=True`` in graph mode, on CPU too.
 
-The ``vllm.general_plugins`` entry point ``register`` runs in every vLLM process (engine,
-engine core, workers). EPLB off: nothing but the op registration and two wrappers that
-defer to upstream. EPLB on: the config gate checks the request, lifts the CPU refusal and
-installs the pass; after each model runner loads its model, ``VllmEplbWorker`` binds
-every MoE layer (``runner_hooks.py``); quant methods upstream refuses EPLB for but whose
-experts have a view are served (``quant_methods.py``).
-"""
+The ``vllm.general_plugins`` entry point ``register`` runs in every vLLM process (engine, engine
+core, workers). EPLB off: nothing but the op registration and wrappers that defer to upstream
+(the runners' ``load_model``, the engine config, one quant method's ``supports_eplb``). EPLB on:
+the config gate checks the request, lifts the CPU refusal and installs the pass; after each
+model runner loads its model, ``VllmEplbWorker`` binds every MoE layer (``runner_hooks.py``);
+quant methods upstream refuses EPLB for but whose experts have a view are served
+(``quant_methods.py``)."""
 
 from __future__ import annotations
 

@@ -6,10 +6,11 @@ on it:
 
 1. refuses, before any process starts, what eplb-graph cannot serve, naming it:
    synchronous EPLB, elastic EP (upstream runs it synchronously), dual-batch overlap,
-   vllm-ascend's V1-only EPLB controls mixed with ``enable_eplb``, a quantization with no
-   expert-weight view (asked for or found in the checkpoint; ``expert_views`` checks each
-   layer's method and tensors again when the worker binds it), and, on CPU, expert parallel
-   over more than one process;
+   vllm-ascend's V1-only EPLB controls mixed with ``enable_eplb``, a quantization no viewed
+   method belongs to (asked for or found in the checkpoint), and, on CPU, expert parallel over
+   more than one process. A quantization names a family (``compressed-tensors`` has many
+   schemes): each layer's method and tensors are checked when it is built (upstream's
+   ``supports_eplb``) and when the worker binds it (``expert_views``), still before serving;
 2. on CPU, where ``ParallelConfig`` refuses EPLB (CUDA/ROCm/XPU only, and TP x PCP x DP > 1),
    builds the config with EPLB off and then sets the user's EPLB fields on the result --
    the capability adapter makes upstream's EPLB work there (``worker.py``);

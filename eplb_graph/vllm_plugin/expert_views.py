@@ -43,18 +43,23 @@ class ExpertViewError(ValueError):
 
 
 def kernel_inputs(routed_experts: torch.nn.Module, owner: str) -> dict[str, torch.Tensor]:
-    """Every tensor the layer's fused-MoE kernel reads, by name."""
+    """Every tensor the layer's fused-MoE kernel reads, by name; a kernel whose inputs this cannot
+    see (no modular kernel, a monolithic one, a quant-config field that is no tensor) is refused."""
     kernel = getattr(routed_experts.quant_method, "moe_kernel", None)
     experts = getattr(kernel, "fused_experts", None)
-    if experts is None:
-        raise ExpertViewError(f"{owner}: the quant method runs no modular kernel, so what it reads is not visible")
+    if experts is None or getattr(kernel, "is_monolithic", True):
+        raise ExpertViewError(f"{owner}: the quant method runs no modular, non-monolithic kernel, so what it reads "
+                              f"is not visible")
     inputs = {"w13_weight": routed_experts.w13_weight, "w2_weight": routed_experts.w2_weight}
     for operand in QUANT_OPERANDS:
         desc = getattr(experts.quant_config, f"_{operand}")
-        inputs.update(
-            (f"{operand}_{field}", value) for field in QUANT_FIELDS
-            if isinstance(value := getattr(desc, field), torch.Tensor)
-        )
+        for field in QUANT_FIELDS:
+            value = getattr(desc, field)
+            if value is not None and not isinstance(value, torch.Tensor):  # e.g. GPT-OSS's PrecisionConfig
+                raise ExpertViewError(f"{owner}: its kernel reads {operand}.{field} as a {type(value).__name__}, "
+                                      f"whose expert storage the view cannot see")
+            if value is not None:
+                inputs[f"{operand}_{field}"] = value
     inputs.update((f"experts.{name}", value) for name, value in vars(experts).items() if isinstance(value, torch.Tensor))
     return inputs
 
@@ -79,10 +84,9 @@ class ExpertWeightView:
             for i, t in enumerate(moved)
         }
         try:
-            check_view_layout(self.owner, self.moved, self.num_local_experts)
             inputs = kernel_inputs(routed_experts, self.owner)
             self.derived = {name: inputs[name] for name in outside_view(self.moved, inputs, self.num_local_experts)}
-            check_view_layout(self.owner, self.derived, self.num_local_experts)  # moved row by row, as the rest
+            check_view_layout(self.owner, {**self.moved, **self.derived}, self.num_local_experts)  # row by row, one device
         except ValueError as error:
             raise ExpertViewError(str(error)) from None
         # what each kernel input is: the moved tensor it is, derived (moved by us), or shared by all experts
@@ -96,14 +100,24 @@ class ExpertWeightView:
         return {"moved": list(self.moved), "derived": list(self.derived), "kernel_reads": self.kernel_reads}
 
 
+    def row_layout(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each tensor moved with an expert, upstream's and derived, in move order."""
+        return [(tuple(t.shape), t.dtype) for t in [*self.moved.values(), *self.derived.values()]]
+
+
 def complete_move_list(views: list[ExpertWeightView], model_state) -> None:
     """Appends each layer's derived tensors to upstream's per-layer move lists (one staging buffer
-    each: upstream sizes its buffers from layer 0), before any rearrangement reads them."""
-    derived = {tuple((name, tuple(t.shape), t.dtype) for name, t in view.derived.items()) for view in views}
-    if len(derived) > 1:  # upstream moves every layer through one buffer list
-        raise ExpertViewError(f"MoE layers differ in their derived expert tensors: {sorted(derived)}")
-    if not any(view.derived for view in views):
+    each), before any rearrangement reads them. Upstream moves every layer through the buffers it
+    sized from layer 0, pairing them with each layer's tensors by position: every layer must move
+    the same shapes and dtypes (an FP8 checkpoint that leaves one MoE layer unquantized does not)."""
+    different = [view.layer_name for view in views if view.row_layout() != views[0].row_layout()]
+    if different:
+        raise ExpertViewError(f"MoE layers {different} move other expert tensors than {views[0].layer_name} "
+                              f"({views[0].row_layout()}): upstream moves every layer through one buffer list")
+    if not views or not views[0].derived:
         return
+    if model_state.rebalanced or model_state.pending_result is not None:  # upstream's worker reads the lists
+        raise RuntimeError(f"{views[0].owner}: a rearrangement is in flight before eplb-graph bound the layers")
     if type(model_state.communicator).__name__ == "NixlEplbCommunicator":  # registered its tensors when built
         raise ExpertViewError(f"{views[0].owner}: derived expert tensors {list(views[0].derived)} cannot move "
                               f"through the NIXL communicator; use torch_gloo or torch_nccl")

@@ -46,8 +46,9 @@ class AfterImport(importlib.abc.MetaPathFinder):
 
 
 def call_after_import(module_name: str, key: str, callback: Callable[[ModuleType], None]) -> None:
-    """``callback(module)`` now if ``module_name`` is imported, else right after vLLM imports it;
-    one callback per ``key``, so installing twice changes nothing."""
+    """``callback(module)`` now if ``module_name`` is imported, else right after vLLM imports it
+    (one callback per ``key``). A callback must be idempotent: for a module already imported, each
+    call runs it again."""
     module = sys.modules.get(module_name)
     if module is not None:
         callback(module)

@@ -4,7 +4,9 @@ vLLM refuses EPLB when a MoE layer is built with a quant method whose ``supports
 False, not for a difference in the data (its own comment) but because no move was written for
 the method. eplb-graph moves through upstream's mover what ``expert_views`` proves, layer by
 layer, to be the kernel's storage, so for the backends listed here the method answers True.
-Upstream reads ``supports_eplb`` only with EPLB on: EPLB off never reaches this (invariant 8).
+Upstream reads ``supports_eplb`` only with EPLB on, so EPLB off behaves as upstream (invariant 8);
+a method whose ``supports_eplb`` is no longer the property expected here is left alone, with a
+warning (upstream then refuses EPLB for it by name), never failing the import of vLLM's module.
 
 * ``CompressedTensorsWNA16MoEMethod`` on vLLM's CPU backend (int4 weights, pack-quantized;
   ``CPUExpertsInt4`` runs them as W4A8, with int8 activations quantized per token): after
@@ -14,6 +16,7 @@ Upstream reads ``supports_eplb`` only with EPLB on: EPLB off never reaches this 
 
 from __future__ import annotations
 
+import warnings
 from types import ModuleType
 
 from .import_hooks import call_after_import
@@ -27,8 +30,10 @@ _MARK = "__eplb_graph_supports_eplb__"
 def _serve_wna16(module: ModuleType) -> None:
     method = getattr(module, WNA16_METHOD, None)
     upstream = getattr(method, "supports_eplb", None)
-    if not isinstance(upstream, property):  # an upstream refactor: fail loudly, not bypass silently
-        raise RuntimeError(f"eplb-graph expects {WNA16_MODULE}.{WNA16_METHOD}.supports_eplb to be a property")
+    if not isinstance(upstream, property):  # an upstream refactor: say so, and leave upstream's answer
+        warnings.warn(f"eplb-graph expects {WNA16_MODULE}.{WNA16_METHOD}.supports_eplb to be a property; int4 "
+                      f"MoE checkpoints are not served with EPLB", RuntimeWarning, stacklevel=2)
+        return
     if getattr(upstream.fget, _MARK, False):
         return
 

@@ -53,8 +53,9 @@ def relative_path(path: str, roots: list[str]) -> str | None:
 
 
 def use_gloo_staged_communicator(eplb_state) -> None:
-    """Upstream's gloo choice moves through our ``GlooStagedCommunicator``: it reserves no buffer
-    with a profile-time all_gather, which gloo cannot run on float8 (FP8 checkpoints' weights)."""
+    """On CPU, where upstream's EP group is gloo too, its gloo choice moves through our
+    ``GlooStagedCommunicator``: ours reserves no buffer with a profile-time all_gather over that
+    group, which gloo cannot run on float8 (FP8 checkpoints' weights)."""
     from vllm.distributed.parallel_state import get_eplb_group
 
     from eplb_graph.mover import GlooStagedCommunicator
@@ -93,7 +94,7 @@ class VllmEplbWorker:
             runner.eplb_state = EplbState(parallel_config, runner.device)
             runner._moe_model = moe_model
             runner.eplb_state.add_model(moe_model, runner.model_config)
-        if parallel_config.eplb_config.communicator == "torch_gloo":
+        if torch.device(runner.device).type == "cpu" and parallel_config.eplb_config.communicator == "torch_gloo":
             use_gloo_staged_communicator(runner.eplb_state)
 
         paths = {id(module): name for name, module in runner.model.named_modules()}
@@ -206,11 +207,13 @@ def log_active(worker: VllmEplbWorker) -> str:
     eplb = worker.runner.parallel_config.eplb_config
     mechanisms = ", ".join(f"{layer.key}: {layer.mapped_by}" for layer in worker.layers)
     moved = {", ".join([*view.moved, *view.derived]) for view in worker.expert_views.values()}
+    movers = {type(state.communicator).__name__ for state in worker.runner.eplb_state.model_states.values()}
     line = (
         f"eplb-graph active on {worker.runner.device}: {len(worker.layers)} MoE layers bound ({mechanisms}); "
         f"load phase: every batch of the last {eplb.window_size} steps before each rearrangement, every "
         f"{eplb.step_interval} steps (upstream's window); {eplb.num_redundant_experts} redundant experts, "
-        f"{'async' if eplb.use_async else 'sync'} EPLB; each expert moves with {' | '.join(sorted(moved))}"
+        f"{'async' if eplb.use_async else 'sync'} EPLB through {', '.join(sorted(movers))}; each expert moves with "
+        f"{' | '.join(sorted(moved))}"
     )
     init_logger("vllm.eplb_graph").info(line)  # under "vllm.": vLLM's handler and format
     return line

@@ -2,7 +2,7 @@
 
 vLLM 0.32 serves quantized MoE on CPU with ``CPUExpertsFp8`` (FP8 W8A16, [128, 128] blocks) and
 ``CPUExpertsInt4`` (int4 weights, run as W4A8), which it admits only where the CPU has AMX tiles
-(Sapphire Rapids and newer). These hosts (AMD EPYC, AVX-512) have none, yet both kernels
+(Sapphire Rapids and newer). The hosts here have none (x86 with AVX-512), yet both kernels
 (``_C.fused_experts_cpu``) compute on their AVX-512 path: ``test_cpu_quantized_kernels.py``
 checks them against a dequantized reference, and checks the premise of the exact on/off
 comparisons: a token's row is the same in any batch where its expert gets at most
@@ -47,11 +47,13 @@ def packed_for_cpu(weight: torch.Tensor) -> torch.Tensor:
 def int4_blocked_for_cpu(w13_packed, w2_packed, w13_scale, w2_scale) -> tuple[torch.Tensor, ...]:
     """compressed-tensors int4 [E, O, I/8] int32 and scales [E, O, I/group] -> the blocked
     (w13, w2, w13 scales, w2 scales, w13 zero points, w2 zero points) vLLM's CPU int4 experts
-    read, converted as vLLM converts them at load."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import prepare_int4_moe_layer_for_cpu
+    read: vLLM's own load-time conversion, for a symmetric checkpoint."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import _process_weights_cpu
 
-    k_first = [t.transpose(1, 2).contiguous() for t in (w13_packed, w2_packed, w13_scale, w2_scale)]  # N- to K-first
-    return prepare_int4_moe_layer_for_cpu(*k_first)
+    group = w13_packed.shape[-1] * 8 // w13_scale.shape[-1]
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
+    return _process_weights_cpu(args, w13_packed, w2_packed, w13_scale, w2_scale)[:6]
 
 
 def cpu_experts(x, method: str, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, zeros=(None, None),

@@ -9,10 +9,10 @@ vLLM's default separate engine-core process, and then only the tokens come back.
 (``quantization="fp8_per_block"``, the routed experts only), a pre-quantized block-FP8
 checkpoint or an int4 (compressed-tensors pack-quantized) one; the quantized runs use bfloat16
 activations and at most ``EXACT_TOKENS_PER_EXPERT`` tokens per step, under which vLLM's CPU
-kernels give every token the same row in any batch (cpu_quantized_experts.py). ``--hide-scales-from-upstream`` drops the FP8 scales from what upstream's EPLB
-collects to move, as a quant method whose kernel state is no parameter would: the plugin's view
-must find them and move them itself.
-"""
+kernels give every token the same row in any batch (cpu_quantized_experts.py).
+``--hide-scales-from-upstream`` drops the FP8 scales from what upstream's EPLB collects to move,
+as a quant method whose kernel state is no parameter would: the plugin's view must find them and
+move them itself (``--no-derived-moves``: the control, where it does not)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def main() -> int:
     parser.add_argument("--engine-process", action="store_true", help="vLLM's default: engine core in its own process")
     parser.add_argument("--weights", choices=["float32", *CHECKPOINTS], default="float32")
     parser.add_argument("--hide-scales-from-upstream", action="store_true")
+    parser.add_argument("--no-derived-moves", action="store_true")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -63,6 +64,10 @@ def main() -> int:
         lift_if_asked()
     if args.hide_scales_from_upstream:
         hide_scales_from_upstream()
+    if args.no_derived_moves:
+        from eplb_graph.vllm_plugin import worker
+
+        worker.complete_move_list = lambda views, model_state: None
     write = getattr(tiny_checkpoint, CHECKPOINTS.get(args.weights, "write_tiny_qwen3_moe_checkpoint"))
     model_dir = write(tempfile.mkdtemp(prefix="eplb-graph-qwen3moe-"))
     kwargs = dict(
@@ -112,11 +117,13 @@ def hide_scales_from_upstream() -> None:
     """Upstream collects what it moves from ``get_expert_weights``: leave the scales out of it."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
+    from eplb_graph.weight_views import shares_storage
+
     collect = RoutedExperts.get_expert_weights
 
     def without_scales(self):
         scales = [p for name, p in self.named_parameters() if "scale" in name]
-        return [w for w in collect(self) if not any(w.data_ptr() == s.data_ptr() for s in scales)]
+        return [w for w in collect(self) if not any(shares_storage(w, s) for s in scales)]
 
     RoutedExperts.get_expert_weights = without_scales
 

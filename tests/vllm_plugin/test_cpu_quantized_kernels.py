@@ -61,11 +61,15 @@ def test_the_kernel_computes_its_format_on_this_cpu(experts):
     assert (out - reference).abs().max() <= 0.03 * reference.abs().max()  # bf16 (and int8) activations
 
 
-def test_a_row_is_the_same_in_any_batch_up_to_the_exact_bound(experts):
+@pytest.mark.parametrize("routing", ["all_on_two_experts", "mixed"])
+def test_a_row_is_the_same_in_any_batch_up_to_the_exact_bound(experts, routing):
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(EXACT_TOKENS_PER_EXPERT, H, generator=gen).bfloat16()
-    ids = torch.tensor([[3, 5]] * EXACT_TOKENS_PER_EXPERT)  # both experts get every token
-    weights = torch.full((EXACT_TOKENS_PER_EXPERT, K), 0.5)
+    if routing == "all_on_two_experts":  # both experts get every token: the bound itself
+        ids = torch.tensor([[3, 5]] * EXACT_TOKENS_PER_EXPERT)
+    else:  # experts with 1, 2 and 3 tokens beside each other
+        ids = torch.tensor([[0, 1], [1, 2], [2, 6], [2, 7]])
+    weights = torch.softmax(torch.randn(EXACT_TOKENS_PER_EXPERT, K, generator=gen), -1)
     alone = torch.cat([run(experts, x[t : t + 1], ids[t : t + 1], weights[t : t + 1]) for t in range(len(x))])
     assert torch.equal(run(experts, x, ids, weights), alone)
 

@@ -56,7 +56,7 @@ def result_of(process: subprocess.Popen, name: str) -> dict:
 
 
 def run_in_pairs(runs: dict[str, list[str]], workdir: Path) -> dict[str, dict]:
-    """Two engines at a time (2 cores): about a minute for five."""
+    """Two engines at a time, one per core of these machines."""
     results = {}
     names = list(runs)
     for start in range(0, len(names), 2):

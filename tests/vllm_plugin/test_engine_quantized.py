@@ -6,7 +6,9 @@ one (compressed-tensors pack-quantized, run as W4A8 by vLLM's CPU experts), EPLB
 compiled, window 4, interval 8, 4 redundant slots. vLLM's quantized CPU experts are admitted on
 this AMX-less CPU by the test harness (cpu_quantized_experts.py says what that does not prove);
 at most 4 tokens per step keep the kernels exact across batches, so EPLB on must give the very
-tokens of EPLB off: a scale or zero point left behind by a move would change them.
+tokens of EPLB off: a scale left behind by a move changes them (the control run shows it). The
+int4 checkpoint is symmetric, so its zero points are one constant created at load: that they
+move is shown by the view (what the kernel reads is what upstream moves), not by the tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ RUNS = {
     "int4_on": ["--eplb", "on", "--weights", "int4-checkpoint", *COMPILED],
     "checkpoint_on_scales_hidden": ["--eplb", "on", "--weights", "fp8-checkpoint", "--hide-scales-from-upstream",
                                     *COMPILED],
+    "checkpoint_on_scales_left_behind": ["--eplb", "on", "--weights", "fp8-checkpoint", "--hide-scales-from-upstream",
+                                         "--no-derived-moves", *COMPILED],
 }
 BLOCK_SCALES = ["w13_weight_scale_inv", "w2_weight_scale_inv"]
 FP8_READS = {"w13_weight": "w13_weight", "w2_weight": "w2_weight", "w1_scale": BLOCK_SCALES[0], "w2_scale": BLOCK_SCALES[1]}
@@ -71,6 +75,9 @@ def test_scales_upstream_would_leave_behind_are_found_and_moved_by_the_view(runs
     assert run["eplb"]["placement_changes"] >= 1
     for key, view in run["eplb"]["expert_views"].items():
         assert view["moved"] == ["w13_weight", "w2_weight"] and view["derived"] == ["w1_scale", "w2_scale"], key
+    # the control: the same run with the view's additions left out of upstream's lists
+    control = runs["checkpoint_on_scales_left_behind"]
+    assert control["eplb"]["placement_changes"] >= 1 and control["tokens"] != runs["checkpoint_off"]["tokens"]
 
 
 def test_zero_recompiles_after_warm_up_when_quantized(runs):

@@ -201,7 +201,8 @@ def test_an_fp8_checkpoint_moves_its_block_scales_with_its_experts(fp8_servers):
     active = [line for line in log.splitlines() if "eplb-graph active on cpu" in line]
     assert len(active) == 1, log[-4000:]
     assert active[0].endswith("each expert moves with w13_weight, w2_weight, w13_weight_scale_inv, w2_weight_scale_inv")
-    assert "Using CPU Fp8 MoE backend" in log and log.count("Rearranging experts (async mode)") >= 3
+    assert "async EPLB through GlooStagedCommunicator;" in active[0] and "Using CPU Fp8 MoE backend" in log
+    assert log.count("Rearranging experts (async mode)") >= 3
 
 
 def test_an_int4_checkpoint_moves_its_scales_and_zero_points_with_its_experts(int4_servers):
@@ -218,7 +219,9 @@ def test_the_active_line_names_each_layer_and_mechanism():
     from eplb_graph.vllm_plugin.worker import log_active
 
     eplb = SimpleNamespace(window_size=10, step_interval=30, num_redundant_experts=2, use_async=True)
-    runner = SimpleNamespace(device="cpu", parallel_config=SimpleNamespace(eplb_config=eplb))
+    state = SimpleNamespace(communicator=SimpleNamespace())
+    runner = SimpleNamespace(device="cpu", parallel_config=SimpleNamespace(eplb_config=eplb),
+                             eplb_state=SimpleNamespace(model_states={"m": state}))
     layers = [SimpleNamespace(key="model.layers.0.mlp.experts", mapped_by="graph_pass"),
               SimpleNamespace(key="model.layers.1.mlp.experts", mapped_by="router_adapter")]
     views = {layer.key: SimpleNamespace(moved={"w13_weight": 0, "w2_weight": 0}, derived={"w1_alphas": 0})
@@ -226,5 +229,6 @@ def test_the_active_line_names_each_layer_and_mechanism():
     line = log_active(SimpleNamespace(runner=runner, layers=layers, expert_views=views))
     assert line.startswith("eplb-graph active on cpu: 2 MoE layers bound (model.layers.0.mlp.experts: graph_pass, "
                            "model.layers.1.mlp.experts: router_adapter)")
-    assert "last 10 steps before each rearrangement, every 30 steps" in line and "2 redundant experts, async EPLB" in line
+    assert "last 10 steps before each rearrangement, every 30 steps" in line
+    assert "2 redundant experts, async EPLB through SimpleNamespace;" in line
     assert line.endswith("each expert moves with w13_weight, w2_weight, w1_alphas")
