@@ -1,8 +1,10 @@
 """``eplb-graph serve``: the ``ElasticServer`` over HTTP, with vLLM's elastic EP endpoints.
 
     POST /v1/generate           {"prompt_token_ids": [...], "max_new_tokens": n} -> {"token_ids", "matches_reference"}
+    POST /v1/completions        OpenAI's completions (``elastic_completions.py``: text of the tiny vocabulary,
+                                greedy), for a standard client or load generator; GET /v1/models
     GET  /health                {"status": "ok", "ranks": n}
-    GET  /metrics               Prometheus text
+    GET  /metrics               Prometheus text (vLLM's names for the requests running and waiting)
     POST /scale_elastic_ep      {"new_data_parallel_size": M, "drain_timeout": s} (vLLM's path, body and codes:
                                 200 scaled, 400 bad size, 408 drain timed out, 500 failed; 409 one is in progress)
     POST /is_scaling_elastic_ep {"is_scaling_elastic_ep": bool}
@@ -43,6 +45,9 @@ def metrics_text(server) -> str:
                                             server.eplb_rearrangements()),
         "eplb_graph_balancedness": ("mean / max per-rank load the placement expects under upstream's last "
                                     "load window (NaN before the first rearrangement)", server.balancedness()),
+        # vLLM's own names, so dashboards and autoscalers built for vLLM read these two
+        "vllm:num_requests_running": ("requests assigned to a member and not finished", server.in_flight()),
+        "vllm:num_requests_waiting": ("requests held while a drain runs, assigned once it ends", server.waiting()),
     }
     for name, (help_text, value) in values.items():
         Gauge(name, help_text, registry=registry).set(value)
@@ -51,11 +56,13 @@ def metrics_text(server) -> str:
 
 def make_app(server) -> Any:
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+    from eplb_graph.runtime import elastic_completions as completions
     from eplb_graph.runtime.elastic_server import ScaleError
 
     app = FastAPI(title="eplb-graph elastic EP reference server")
+    text = completions.TinyText(server.cfg.vocab_size)
 
     @app.post("/v1/generate")
     def generate(body: dict) -> Any:
@@ -68,6 +75,27 @@ def make_app(server) -> Any:
             return JSONResponse(error_body(400, str(error)), status_code=400)
         except TimeoutError as error:
             return JSONResponse(error_body(408, str(error)), status_code=408)
+
+    @app.post("/v1/completions")
+    def complete(body: dict) -> Any:
+        try:
+            request = completions.parse_completion(body, text)
+            rid = server.submit(request.prompt_token_ids, request.max_tokens)
+            result = server.result(rid)
+        except completions.CompletionError as error:
+            return JSONResponse(error_body(error.status, str(error)), status_code=error.status)
+        except ValueError as error:  # what the server refuses to queue (a token out of range, too long)
+            return JSONResponse(error_body(400, str(error)), status_code=400)
+        except TimeoutError as error:
+            return JSONResponse(error_body(408, str(error)), status_code=408)
+        answer = completions.completion_body(rid, request, result, text)
+        if request.stream:
+            return StreamingResponse(iter(completions.completion_events(answer, request)), media_type="text/event-stream")
+        return answer
+
+    @app.get("/v1/models")
+    def models() -> Any:
+        return completions.models_body()
 
     @app.get("/health")
     def health() -> Any:

@@ -164,6 +164,11 @@ class ElasticServer:
         with self.lock:
             return len(self.assigned)
 
+    def waiting(self) -> int:
+        """Requests held while a drain runs (assigned to the group the resize leaves behind)."""
+        with self.lock:
+            return len(self.held or ())
+
     def in_flight_on(self, member: int) -> int:
         """Requests assigned to ``member`` and not finished yet."""
         with self.lock:

@@ -8,9 +8,13 @@ import random
 import threading
 import time
 
+import openai
 import pytest
+from fastapi.testclient import TestClient
 
 from eplb_graph.runtime.config import RunConfig
+from eplb_graph.runtime.elastic_completions import SERVED_MODEL, TinyText
+from eplb_graph.runtime.elastic_http import make_app
 from eplb_graph.runtime.elastic_serving import ServeShape
 from eplb_graph.runtime.elastic_server import ElasticServer, ScaleError
 
@@ -44,6 +48,10 @@ def test_requests_complete_exactly_once_through_resizes_under_traffic():
             server.scale(9)
         assert refused.value.status == 400
         assert server.generate([5, 6], 3, timeout_s=120)["matches_reference"]
+        # a standard OpenAI client, over the HTTP layer of `eplb-graph serve`, gets the same greedy tokens
+        api = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=TestClient(make_app(server)))
+        answer = api.completions.create(model=SERVED_MODEL, prompt="w5 w6", max_tokens=3, temperature=0)
+        assert answer.choices[0].text == TinyText(server.cfg.vocab_size).decode(server.generate([5, 6], 3)["token_ids"])
         # drained: the requests in flight finish first, those submitted meanwhile wait for the new group
         assert server.scale(2, drain_timeout=60) == "Scaled to 2 data parallel engines" and server.ranks == 2
         assert server.result(long_one)["matches_reference"]
@@ -88,6 +96,10 @@ def test_a_member_killed_under_traffic_loses_no_request_and_is_replaced(monkeypa
         # rank 0, at once: the joiners may still be taking their experts over the new group
         server.coordinator.processes[0].kill()
         assert server.generate([5, 6], 3, timeout_s=120)["matches_reference"]
+        # a standard OpenAI client, over the HTTP layer of `eplb-graph serve`, gets the same greedy tokens
+        api = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=TestClient(make_app(server)))
+        answer = api.completions.create(model=SERVED_MODEL, prompt="w5 w6", max_tokens=3, temperature=0)
+        assert answer.choices[0].text == TinyText(server.cfg.vocab_size).decode(server.generate([5, 6], 3)["token_ids"])
         wait_until(lambda: server.ranks == 3 and not server.in_flight_on(0))
         assert 0 not in server.coordinator.members
         assert server.scale(4) == "Scaled to 4 data parallel engines" and server.ranks == 4  # a replacement
