@@ -2,8 +2,9 @@
 
 vLLM 0.32 serves quantized MoE on CPU with ``CPUExpertsFp8`` (FP8 W8A16, [128, 128] blocks) and
 ``CPUExpertsInt4`` (int4 weights, run as W4A8), which it admits only where the CPU has AMX tiles
-(Sapphire Rapids and newer). The hosts here have none (x86 with AVX-512), yet both kernels
-(``_C.fused_experts_cpu``) compute on their AVX-512 path: ``test_cpu_quantized_kernels.py``
+(Sapphire Rapids and newer). Hosts with AVX-512 and AVX-512 BF16 but no AMX compute both kernels
+(``_C.fused_experts_cpu``) on their AVX-512 path (elsewhere vLLM's build has no such kernel, and
+the tests that need one skip, saying so: ``needs_quantized_kernels``): ``test_cpu_quantized_kernels.py``
 checks them against a dequantized reference, and checks the premise of the exact on/off
 comparisons: a token's row is the same in any batch where its expert gets at most
 ``EXACT_TOKENS_PER_EXPERT`` tokens (the engines here run that many tokens per step).
@@ -19,11 +20,34 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 LIFT_ENV = "EPLB_GRAPH_TESTS_LIFT_AMX_GATE"
 EXACT_TOKENS_PER_EXPERT = 4
 LIFTED_EXPERTS = ("CPUExpertsFp8", "CPUExpertsInt4")
+
+
+def missing_quantized_kernels() -> str | None:
+    """Why vLLM's quantized CPU MoE kernels cannot run on this host, or None. vLLM's x86 build
+    loads the library that holds them (``vllm._C``) only where the CPU has AVX-512 and AVX-512
+    BF16; elsewhere it loads ``_C_AVX2`` or ``_C_AVX512``, without them."""
+    try:
+        import vllm._custom_ops  # noqa: F401  (loads the kernel library this CPU takes)
+    except ImportError as error:
+        return f"vLLM's kernels do not import: {error}"
+    missing = [op for op in ("fused_experts_cpu", "convert_weight_packed", "convert_weight_packed_scale_zp")
+               if not hasattr(torch.ops._C, op)]
+    if not missing:
+        return None
+    isa = "AVX-512 and AVX-512 BF16" if torch.cpu._is_avx512_supported() else "AVX2 only"
+    return (f"this CPU ({isa}) loads a vLLM kernel library without {', '.join(missing)}: vLLM's quantized CPU "
+            f"MoE runs only where the CPU has AVX-512 and AVX-512 BF16")
+
+
+# on the tests of quantized experts: they skip, saying why, where the kernels are not in this CPU's build
+needs_quantized_kernels = pytest.mark.skipif(missing_quantized_kernels() is not None,
+                                             reason=str(missing_quantized_kernels()))
 
 
 def lift_if_asked() -> bool:

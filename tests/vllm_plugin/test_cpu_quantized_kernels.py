@@ -17,8 +17,11 @@ from tests.vllm_plugin.cpu_quantized_experts import (  # noqa: E402
     EXACT_TOKENS_PER_EXPERT,
     cpu_experts,
     int4_blocked_for_cpu,
+    needs_quantized_kernels,
     packed_for_cpu,
 )
+
+pytestmark = needs_quantized_kernels
 
 E, H, I, K = 8, 128, 128, 2
 

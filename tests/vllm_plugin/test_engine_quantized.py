@@ -17,9 +17,11 @@ import pytest
 
 from tests.vllm_plugin.test_engine import run_in_pairs
 
-pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
-
 pytest.importorskip("vllm")
+
+from tests.vllm_plugin.cpu_quantized_experts import needs_quantized_kernels  # noqa: E402
+
+pytestmark = [pytest.mark.launches, needs_quantized_kernels]  # engines: left out by make test-fast
 
 COMPILED = ["--mode", "compiled"]
 RUNS = {

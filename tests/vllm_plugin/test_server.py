@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.eplb_graph.quickstart_blocks import quickstart_blocks
-from tests.vllm_plugin.cpu_quantized_experts import EXACT_TOKENS_PER_EXPERT, LIFT_ENV
+from tests.vllm_plugin.cpu_quantized_experts import EXACT_TOKENS_PER_EXPERT, LIFT_ENV, needs_quantized_kernels
 
 pytest.importorskip("vllm")
 
@@ -176,7 +176,8 @@ def texts(response: dict) -> list[str]:
     return [choice["text"] for choice in response["choices"]]
 
 
-@pytest.mark.parametrize("pair", ["servers", "fp8_servers", "int4_servers"])
+@pytest.mark.parametrize("pair", ["servers", pytest.param("fp8_servers", marks=needs_quantized_kernels),
+                                  pytest.param("int4_servers", marks=needs_quantized_kernels)])
 def test_completions_are_identical_with_eplb_on_and_off(request, pair):
     on, off = (request.getfixturevalue(pair)[name] for name in ("on", "off"))
     assert texts(on["quickstart"]) == texts(off["quickstart"])
@@ -196,6 +197,7 @@ def test_each_worker_logs_that_graph_mode_eplb_is_active_and_upstream_rearranged
     assert "eplb-graph active" not in servers["off"]["log"]
 
 
+@needs_quantized_kernels
 def test_an_fp8_checkpoint_moves_its_block_scales_with_its_experts(fp8_servers):
     log = fp8_servers["on"]["log"]
     active = [line for line in log.splitlines() if "eplb-graph active on cpu" in line]
@@ -205,6 +207,7 @@ def test_an_fp8_checkpoint_moves_its_block_scales_with_its_experts(fp8_servers):
     assert log.count("Rearranging experts (async mode)") >= 3
 
 
+@needs_quantized_kernels
 def test_an_int4_checkpoint_moves_its_scales_and_zero_points_with_its_experts(int4_servers):
     log = int4_servers["on"]["log"]
     active = [line for line in log.splitlines() if "eplb-graph active on cpu" in line]
