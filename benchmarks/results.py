@@ -45,6 +45,10 @@ FILES = {
     "elastic": "elastic/report.json",
     "elastic_fault": "elastic_fault/report.json",
     "elastic_fault_rank0": "elastic_fault_rank0/report.json",
+    "elastic_control": "bench_elastic_control.json",
+    "chaos_1": "chaos_1/chaos.json",
+    "chaos_2": "chaos_2/chaos.json",
+    "chaos_3": "chaos_3/chaos.json",
     "gpu": "gpu_bench.json",
 }
 
@@ -161,6 +165,34 @@ def render_elastic(r: dict) -> str:
     return f"{resizes}\n\n{totals}"
 
 
+def render_elastic_control(r: dict) -> str:
+    fixed = r["fixed_vs_elastic"]
+    steps = table(["workload", "fixed step p50 ms (per round)", "elastic step p50 ms (per round)", "elastic / fixed",
+                   "fixed A/A"],
+                  [[f"{fixed['steps']} steps x {fixed['ranks']} ranks, {fixed['mode']}", fixed["fixed_step_p50_ms"],
+                    fixed["elastic_step_p50_ms"], fixed["elastic_over_fixed"], fixed["fixed_a_over_a"]]])
+    serving = r["serving"]
+    control = table(["requests served", "steps", "control ms p50, first fifth / last fifth", "last / first",
+                     "store keys after 50 requests / at the end", "mismatches"],
+                    [[serving["requests"], serving["steps_served"],
+                      f"{serving['control_ms_p50_first_fifth']} / {serving['control_ms_p50_last_fifth']}",
+                      serving["last_over_first"],
+                      f"{serving['store_keys_after_50_requests']} / {serving['store_keys_at_the_end']}",
+                      serving["mismatches"]]])
+    return f"{steps}\n\n{control}"
+
+
+def render_chaos(r: dict) -> str:
+    totals = table(["faults (by kind)", "seconds", "requests answered / twice / unanswered", "duplicated", "mismatches",
+                    "recompiles", "detection max s (bound)", "detection to serving max s (bound)", "failed"],
+                   [[f"{r['faults']} ({', '.join(f'{k} {n}' for k, n in sorted(r['faults_by_kind'].items()))})",
+                     r["seconds"], f"{r['requests_answered']} / {r['requests_answered_twice']} / "
+                     f"{r['requests_unanswered']}", r["requests_duplicated"], r["output_mismatches"], r["recompiles"],
+                     f"{r['detection_s_max']} ({r['detect_bound_s']})",
+                     f"{r['detection_to_serving_s_max']} ({r['serve_bound_s']})", len(r["failed"])]])
+    return f"seed {r['seed']}\n\n{totals}"
+
+
 def render_gpu(r: dict) -> str:
     intro = f"{r['device']}, torch {r['torch']}, CUDA kernel {r.get('cuda_kernel')}"
     return intro + "\n\n" + table(["stage", "status", "seconds"],
@@ -171,7 +203,9 @@ RENDERERS = {"run": render_run, "bench": render_bench, "data_plane": render_benc
              "routing_ops": render_routing_ops, "op_in_step": render_op_in_step, "commit": render_commit,
              "transfer_planning": render_transfer_planning, "policy_stall": render_policy_stall,
              "movement": render_movement, "injected_work": render_injected_work, "elastic": render_elastic,
-             "elastic_fault": render_elastic, "elastic_fault_rank0": render_elastic, "gpu": render_gpu}
+             "elastic_fault": render_elastic, "elastic_fault_rank0": render_elastic,
+             "elastic_control": render_elastic_control, "chaos_1": render_chaos, "chaos_2": render_chaos,
+             "chaos_3": render_chaos, "gpu": render_gpu}
 TITLES = {
     "run": "`make run` (`eplb-graph run`: 2 ranks, compiled, live EPLB, outputs checked every step)",
     "bench": "`eplb-graph bench` (capture vs eager, EPLB off / on_idle / on_rearranging)",
@@ -187,6 +221,10 @@ TITLES = {
     "elastic": "`eplb-graph run --scale-plan 2,4,2` (elastic EP: resized while serving, compiled)",
     "elastic_fault": "`eplb-graph run --scale-plan 2,4,4 --kill 3@150` (a member SIGKILLed, then replaced)",
     "elastic_fault_rank0": "`eplb-graph run --scale-plan 2,4,4 --kill 0@150` (rank 0 SIGKILLed: the next survivor takes its place)",
+    "elastic_control": "`bench_elastic_control.py` (an elastic step against a fixed one; serving control against requests served)",
+    "chaos_1": "`eplb-graph run --chaos 1` (resizes, kills, stops, hangs under traffic)",
+    "chaos_2": "`eplb-graph run --chaos 2`",
+    "chaos_3": "`eplb-graph run --chaos 3`",
     "gpu": "`gpu_bench.py` on a lent GPU",
 }
 
@@ -277,6 +315,25 @@ def headline(record: dict) -> str:
             rows.append([f"{who} killed (1 of 4): death to serving again, s / lost / mismatches",
                          f"{recovery['reconfiguration_seconds']} / {fault['requests_lost']} / {fault['output_mismatches']}",
                          "<= 5 / 0 / 0", f"`eplb-graph run --scale-plan 2,4,4 --kill {kill}`"])
+    chaos = [record[key] for key in ("chaos_1", "chaos_2", "chaos_3") if key in record]
+    if chaos:
+        seeds = ", ".join(str(r["seed"]) for r in chaos)
+        rows.append([f"chaos (seeds {seeds}): faults / requests lost, twice or duplicated / mismatches / recompiles",
+                     f"{' + '.join(str(r['faults']) for r in chaos)} / "
+                     f"{sum(r['requests_unanswered'] + r['requests_answered_twice'] + r['requests_duplicated'] for r in chaos)}"
+                     f" / {sum(r['output_mismatches'] for r in chaos)} / {sum(r['recompiles'] for r in chaos)}",
+                     ">= 20 each / 0 / 0 / 0", "`eplb-graph run --chaos SEED`"])
+        rows.append(["chaos: a fault to its detection, max s (bound); detection to serving again, max s (bound)",
+                     f"{max(r['detection_s_max'] or 0 for r in chaos)} ({chaos[0]['detect_bound_s']}); "
+                     f"{max(r['detection_to_serving_s_max'] or 0 for r in chaos)} ({chaos[0]['serve_bound_s']})",
+                     "within bounds", "`eplb-graph run --chaos SEED`"])
+    control = record.get("elastic_control")
+    if control:
+        fixed, serving = control["fixed_vs_elastic"], control["serving"]
+        rows.append(["elastic step / fixed step, same workload (fixed A/A); serving control, last / first fifth of "
+                     f"{serving['requests']} requests",
+                     f"{fixed['elastic_over_fixed']} ({fixed['fixed_a_over_a']}); {serving['last_over_first']}",
+                     "- ; ~1 (O(1))", "`bench_elastic_control.py`"])
     gpu = record.get("gpu")
     rows.append(["GPU (CUDA graphs, Triton kernel)", "not measured yet: no GPU has been lent" if gpu is None
                  else f"{sum(e['status'] == 'ok' for e in gpu['stages'].values())} of {len(gpu['stages'])} stages ok",
@@ -301,13 +358,25 @@ def render_results_md() -> str:
     return "\n".join(parts)
 
 
+def newest_of_each(found: list[tuple[str, dict]]) -> tuple[dict, list[str]]:
+    """Each benchmark's newest record (a later record of some benchmarks leaves the others' figures),
+    and the dates they come from."""
+    merged, dates = {}, {}
+    for date, record in reversed(found):  # oldest first: a newer one replaces it
+        for name in FILES:
+            if name in record:
+                merged[name], dates[name] = record[name], date
+    return merged, sorted(set(dates.values()))
+
+
 def render_readme(readme: str) -> str:
     found = records()
     if BEGIN not in readme or END not in readme:
         raise SystemExit(f"results: README.md has no {BEGIN} ... {END} section")
-    date, record = found[0] if found else ("", {})
-    body = (f"Measured {date} ({record['meta']['machine']}); every figure and its run in "
-            f"[benchmarks/RESULTS.md](benchmarks/RESULTS.md).\n\n{headline(record)}") if found else "No record yet."
+    merged, dates = newest_of_each(found)
+    body = (f"Measured {' and '.join(dates)} ({found[0][1]['meta']['machine']}), each figure from the newest record "
+            f"that has it; every figure and its run in [benchmarks/RESULTS.md](benchmarks/RESULTS.md).\n\n"
+            f"{headline(merged)}") if found else "No record yet."
     head, rest = readme.split(BEGIN, 1)
     return f"{head}{BEGIN}\n{body}\n{END}{rest.split(END, 1)[1]}"
 

@@ -30,7 +30,7 @@ EP_SUM_OWN_ROWS_SCHEMA = "ep_sum_own_rows(Tensor parts, str group) -> Tensor"
 
 
 class EpGroupSlot(Protocol):
-    """What the ops need of a group slot (``runtime.elastic_group.ElasticEpGroup``)."""
+    """What the ops need of a group slot (``runtime.elastic.group.ElasticEpGroup``)."""
 
     max_size: int  # fixed for the slot's life: every graph's shapes are sized by it
 

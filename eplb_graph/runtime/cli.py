@@ -1,15 +1,16 @@
-"""The `eplb-graph` command line: demo, inspect, run (and run --scale-plan), serve, bench.
+"""The `eplb-graph` command line: demo, inspect, run (and run --scale-plan / --chaos), serve, join, bench.
 
 Each subcommand's flags and its handler sit side by side, so `--help` and the code agree;
-each handler only builds a config and calls its runtime module (``rank``, ``bench``; the
-elastic flags and handlers are ``elastic_cli``'s). Longer than one reading because run's and
-bench's output lines and the shared runtime flags live here with their subcommands."""
+each handler only builds a config and calls its runtime module (``rank``, ``bench``). The
+flags the runtime commands share are ``cli_flags``'s, the elastic ones ``elastic/cli.py``'s."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+from eplb_graph.runtime.cli_flags import add_runtime_arguments, output_dir, run_config
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -42,7 +43,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from eplb_graph.inspect import build_report, format_text, inspect_model, write_outputs
 
-    out = _output_dir(args.out) if args.out else None
+    out = output_dir(args.out) if args.out else None
     handle, record = inspect_model(args.model, args.backend, args.redundant)
     report = build_report(args.model, args.backend, handle, record)
     written = write_outputs(out, report, record) if out is not None else []
@@ -53,43 +54,6 @@ def _inspect(args: argparse.Namespace) -> int:
         for path in written:
             print(f"wrote {path}")
     return 0 if report["verifier_ok"] and not report["unattributed"] else 1
-
-
-def _output_dir(path: str):
-    """--out, created now: a path that cannot hold the results fails before any process starts,
-    not after the run."""
-    import os
-    from pathlib import Path
-
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ValueError(f"--out {path}: cannot create the output directory ({error.strerror})") from None
-    if not os.access(out, os.W_OK):
-        raise ValueError(f"--out {path}: the output directory is not writable")
-    return out
-
-
-def _run_config(args: argparse.Namespace, **overrides):
-    from eplb_graph.runtime.config import RunConfig
-
-    fields = dict(
-        mode=args.mode, device=args.device, ranks=args.ranks, steps=args.steps, weight_format=args.format,
-        num_experts=args.experts, num_redundant=args.redundant, top_k=args.top_k, num_layers=args.layers,
-        seed=args.seed, step_interval=args.interval, window_size=args.interval, hidden=args.hidden,
-        expert_intermediate=args.intermediate, shared_expert_intermediate=args.intermediate,
-        decode_tokens=args.decode_tokens, prefill_tokens=args.prefill_tokens, capture_sizes=args.capture_sizes,
-        policy_process=args.policy_process, expert_kernel=args.expert_kernel, cpp_wrapper=args.cpp_wrapper,
-        threads=args.threads, stall_steps=args.stall_steps, stall_seconds=args.stall_seconds,
-        backend="aot_eager" if args.device == "npu" else "inductor",  # Inductor has no NPU code generation
-    )
-    fields.update(overrides)
-    config = RunConfig(**fields)
-    config.validate()  # every bad input fails here, before a process starts
-    if not args.timeout > 0:
-        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    return config
 
 
 def _check_cpp_wrapper_modes(config, modes: tuple[str, ...]) -> None:
@@ -109,11 +73,13 @@ def _run(args: argparse.Namespace) -> int:
     from eplb_graph.runtime.report import failed_invariants, summarize, write_plots
     from eplb_graph.runtime.rank import run_rank, run_rank_and_shut_down
 
-    if args.scale_plan is not None:
-        return _run_elastic(args)
-    config = _run_config(args, progress=not args.json, tolerance=args.tolerance)
+    if args.scale_plan is not None or args.chaos is not None:
+        from eplb_graph.runtime.elastic.cli import run_elastic_command
+
+        return run_elastic_command(args)
+    config = run_config(args, progress=not args.json, tolerance=args.tolerance)
     _check_cpp_wrapper_modes(config, (config.mode,))
-    out = _output_dir(args.out)
+    out = output_dir(args.out)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         import torch.distributed as dist
 
@@ -153,21 +119,6 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
-def _run_elastic(args: argparse.Namespace) -> int:
-    from eplb_graph.runtime.elastic_cli import run_scale_plan
-    from eplb_graph.runtime.elastic_run import parse_scale_plan
-
-    plan = parse_scale_plan(args.scale_plan)
-    config = _run_config(args, ranks=plan[0], tolerance=args.tolerance)
-    return run_scale_plan(args, plan, config, lambda: _output_dir(args.out))
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from eplb_graph.runtime.elastic_cli import serve_command
-
-    return serve_command(args, _run_config(args, steps=1))
-
-
 def _log(line: str) -> None:
     """Progress on stderr: stdout holds only the table or the JSON."""
     print(line, file=sys.stderr, flush=True)
@@ -181,15 +132,15 @@ def _bench(args: argparse.Namespace) -> int:
 
     modes = bench_modes(args.mode, args.device)
     default_ranks = 1 if args.data_plane else 2
-    config = _run_config(args, mode=modes[0], ranks=default_ranks if args.ranks is None else args.ranks)
+    config = run_config(args, mode=modes[0], ranks=default_ranks if args.ranks is None else args.ranks)
     _check_cpp_wrapper_modes(config, modes)
     if args.data_plane:
         check_data_plane_config(config)  # before --out is made
-        out = _output_dir(args.out)
+        out = output_dir(args.out)
         report = run_data_plane_bench(config, modes, log=_log)
     else:
         check_bench_steps(config.steps)
-        out = _output_dir(args.out)
+        out = output_dir(args.out)
         report = run_bench(config, modes, timeout_s=args.timeout, log=_log)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     chart = write_chart(out, report)
@@ -203,68 +154,8 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if report.get("failed_checks") else 0
 
 
-def _capture_sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token counts such as 16,64, got {text!r}") from None
-    return sizes
-
-
-def _add_runtime_arguments(parser: argparse.ArgumentParser, *, steps: int, mode: str = "compiled",
-                           interval: int = 20, ranks: int | None = 2) -> None:
-    from eplb_graph.runtime.config import DEVICES, MODES
-
-    choices = ", ".join(MODES) + (", all (every mode the device has)" if mode == "all" else "")
-    parser.add_argument("--mode", default=mode, help=f"one of {choices}")
-    parser.add_argument("--device", default="cpu", help=f"one of {', '.join(DEVICES)}")
-    parser.add_argument("--ranks", type=int, default=ranks, help="EP ranks, one process each (default 2; bench --data-plane: 1)")
-    parser.add_argument("--steps", type=int, default=steps)
-    parser.add_argument("--format", default="unquantized", help="unquantized | w8a8_dynamic | w4a8")
-    parser.add_argument("--expert-kernel", default="pairs",
-                        help="pairs: each (token, k) pair through its expert's gathered weights, work grows with the "
-                             "pairs as in a fused MoE kernel; dense: every local expert over every token as GEMMs, "
-                             "much faster at width, but redundant slots add work (use it for wide models, not for "
-                             "EPLB-on / EPLB-off ratios)")
-    parser.add_argument("--experts", type=int, default=16, help="logical experts per layer")
-    parser.add_argument("--redundant", type=int, default=4, help="redundant experts per layer")
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=64, help="model width")
-    parser.add_argument("--intermediate", type=int, default=64, help="routed and shared expert width")
-    parser.add_argument("--decode-tokens", type=int, default=16, help="tokens per rank in a decode batch")
-    parser.add_argument("--prefill-tokens", type=int, default=48,
-                        help="tokens per rank in a prefill batch (a mixed batch: prefill + decode, capped by the largest "
-                             "capture size)")
-    parser.add_argument("--capture-sizes", type=_capture_sizes, default=(16, 64), metavar="N[,N...]",
-                        help="batch sizes (tokens per rank) that batches are padded to, one graph each: 16,64")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--interval", type=int, default=interval,
-                        help="EPLB step interval (= load window), in steps; bench: of its on_rearranging run")
-    parser.add_argument("--timeout", type=float, default=900,
-                        help="seconds a rank may go without finishing a step (its compile included) before it is "
-                             "declared stuck, and may take to start (spawn, imports); a run may take any time as long "
-                             "as its ranks keep stepping")
-    parser.add_argument("--cpp-wrapper", action="store_true",
-                        help="compiled mode on the host: Inductor generates the forward's wrapper in C++, so no Python "
-                             "runs between its kernels or around the routing op (longer compile; --ranks 1 with "
-                             "torch 2.13, whose collectives it cannot call)")
-    parser.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="torch intra-op threads per rank (default: on the host, the machine's cores shared among "
-                             "its ranks; on a GPU, 1, as vLLM's GPU worker serves); the reports record the count used")
-    parser.add_argument("--stall-steps", type=int, default=1000, metavar="N",
-                        help="a rearrangement in flight this many steps with no layer committed is a stall (reported, "
-                             "and the run fails; the last committed placement keeps serving)")
-    parser.add_argument("--stall-seconds", type=float, default=300.0, metavar="S",
-                        help="the same bound in seconds (whichever comes first)")
-    parser.add_argument("--policy-process", action="store_true",
-                        help="run upstream's rebalancing policy in a helper process per rank, off the serving GIL")
-    parser.add_argument("--out", default="out")
-    parser.add_argument("--json", action="store_true")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from eplb_graph.runtime.elastic_cli import add_scale_plan_arguments, add_serve_arguments
+    from eplb_graph.runtime.elastic import cli as elastic
 
     parser = argparse.ArgumentParser(prog="eplb-graph", description="Graph-mode EPLB for MoE inference")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -289,20 +180,24 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=_inspect)
 
     run = commands.add_parser("run", help="the main job: multi-rank MoE runtime with live EPLB")
-    _add_runtime_arguments(run, steps=300)
+    add_runtime_arguments(run, steps=300)
     run.add_argument("--tolerance", type=float, default=None,
                      help="rtol = atol of the per-step output check, 0 = exact (default: exact in eager mode on "
                           "the host; compiled, the format's: 1e-5 unquantized, 1e-3 quantized)")
-    add_scale_plan_arguments(run)
+    elastic.add_scale_plan_arguments(run)
     run.set_defaults(func=_run)
 
     served = commands.add_parser("serve", help="elastic EP server: greedy generation over HTTP, resizable at run time")
-    _add_runtime_arguments(served, steps=1, mode="eager")
-    add_serve_arguments(served)
-    served.set_defaults(func=_serve)
+    add_runtime_arguments(served, steps=1, mode="eager")
+    elastic.add_serve_arguments(served)
+    served.set_defaults(func=lambda args: elastic.serve_command(args))
+
+    join = commands.add_parser("join", help="a member of an elastic run started outside its coordinator: joins as a spare")
+    elastic.add_join_arguments(join)
+    join.set_defaults(func=lambda args: elastic.join_command(args))
 
     bench = commands.add_parser("bench", help="step latency: eager vs compiled, EPLB off / on-idle / rearranging")
-    _add_runtime_arguments(bench, steps=120, mode="all", interval=10, ranks=None)
+    add_runtime_arguments(bench, steps=120, mode="all", interval=10, ranks=None)
     bench.add_argument("--data-plane", action="store_true",
                        help="EPLB's data plane alone, no vLLM needed: one process, EP size 1, EPLB off vs the routing "
                             "op at identity placement (no control plane, no rearrangement); checks that the op's "

@@ -16,6 +16,7 @@ one process, the same expert kernels) and records balancedness from the global l
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -35,6 +36,7 @@ from eplb_graph.runtime.workload import Batch, make_batch
 class RankResult:
     rank: int
     step_ms: list[float] = field(default_factory=list)
+    step_end_s: list[float] = field(default_factory=list)  # every step's end, monotonic (its gaps: the whole step)
     eplb_host_ms: list[float] = field(default_factory=list)  # of step_ms: begin_batch + end_batch (commits)
     kinds: list[str] = field(default_factory=list)
     rebalancing: list[bool] = field(default_factory=list)
@@ -126,6 +128,7 @@ class RankRun:
             self._show_progress(step)
         if self.cfg.check_outputs:
             self._check(step, batch, timed.out, busy)
+        self.result.step_end_s.append(time.monotonic())
 
     def _account(self, batch: Batch, timed: TimedStep, busy: bool, probed: dict | None = None) -> None:
         result, size = self.result, batch.tokens.shape[1]

@@ -2,7 +2,7 @@
 
 One process: a slot with no process group (a group of one) shows the shapes, the padding
 and the masking; the multi-process behaviour (a graph following a 2 -> 4 -> 2 switch) is in
-``tests/runtime/test_elastic_run.py``.
+``tests/runtime/elastic/test_scripted.py``.
 """
 
 import pytest

@@ -3,7 +3,8 @@
 import pytest
 
 from eplb_graph.bench import capture_vs_eager
-from eplb_graph.runtime import elastic_run, launch
+from eplb_graph.runtime import launch
+from eplb_graph.runtime.elastic import processes
 from eplb_graph.runtime.cli import main
 
 
@@ -16,7 +17,7 @@ def no_launch(monkeypatch):
 
     monkeypatch.setattr(launch, "run_ranks", launched)
     monkeypatch.setattr(capture_vs_eager, "run_ranks", launched)
-    monkeypatch.setattr(elastic_run.ElasticRun, "start", launched)
+    monkeypatch.setattr(processes.MemberProcesses, "start", launched)
 
 
 @pytest.mark.parametrize(
@@ -49,6 +50,10 @@ def no_launch(monkeypatch):
         (["--scale-plan", "3,4"], "20 physical experts do not divide over 3 ranks"),
         (["--scale-plan", "2,4", "--resize-deadline", "0"], "--resize-deadline must be > 0 seconds, got 0.0"),
         (["--scale-plan", "2,4", "--policy-process"], "--scale-plan runs on the host"),
+        (["--scale-plan", "2,4", "--hang-timeout", "0"], "--hang-timeout must be > 0 seconds, got 0.0"),
+        (["--chaos", "1", "--scale-plan", "2,4"], "--chaos draws its own resizes and faults"),
+        (["--chaos", "1", "--faults", "0"], "--faults must be >= 1, got 0"),
+        (["--chaos", "1", "--max-ranks", "3"], "--max-ranks must be >= 4"),
     ],
 )
 def test_bad_input_fails_before_any_process_starts(args, message, capsys, tmp_path, no_launch):

@@ -7,6 +7,7 @@ from eplb_graph.runtime.config import RunConfig
 
 
 def test_cuda_needs_a_gpu_per_rank(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # vLLM's CPU platform sets it when a config is built
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"device 'cuda': torch.cuda.is_available\(\) is False"):
         RunConfig(device="cuda").validate()
