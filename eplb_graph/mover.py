@@ -14,6 +14,7 @@ the peers involved instead of hanging the worker.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -65,8 +66,12 @@ class StagingPool:
 class GlooStagedCommunicator(_make_communicator_base()):
     """EplbCommunicator (add_send / add_recv / execute / set_transfer_context / set_stream)."""
 
-    def __init__(self, cpu_group: dist.ProcessGroup, *, timeout_s: float = 60.0, pin_memory: bool | None = None) -> None:
+    def __init__(self, cpu_group: dist.ProcessGroup, *, timeout_s: float = 60.0, pin_memory: bool | None = None,
+                 on_execute: Callable[[], object] | None = None) -> None:
+        """``on_execute``: called as each layer's exchange starts (every rank executes every layer,
+        with or without transfers: an elastic member counts them for its keep-alive)."""
         self._cpu_group = cpu_group
+        self.on_execute = on_execute
         self._stream = None
         self._ops: list[tuple[str, torch.Tensor, int]] = []
         self.timeout = timedelta(seconds=timeout_s)
@@ -91,6 +96,8 @@ class GlooStagedCommunicator(_make_communicator_base()):
         self._layer_idx = layer_idx
 
     def execute(self) -> None:
+        if self.on_execute is not None:
+            self.on_execute()
         ops, self._ops = self._ops, []
         if not ops:
             return

@@ -108,7 +108,7 @@ def _chaos(args: argparse.Namespace) -> int:
     print(json.dumps(report, indent=2) if args.json else
           f"chaos seed {report['seed']}: {report['faults']} faults in {report['seconds']} s "
           f"({', '.join(f'{k} {n}' for k, n in sorted(report['faults_by_kind'].items()))}); "
-          f"{report['requests_answered']} requests answered, {report['requests_answered_twice']} twice, "
+          f"{report['requests_answered']} requests answered, {report['requests_duplicated']} twice, "
           f"{report['requests_unanswered']} unanswered; output mismatches {report['output_mismatches']}, recompiles "
           f"{report['recompiles']}; detection max {report['detection_s_max']} s, detection to serving max "
           f"{report['detection_to_serving_s_max']} s; wrote {out / 'chaos.json'}")

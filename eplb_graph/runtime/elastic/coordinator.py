@@ -87,6 +87,7 @@ class Coordinator:
         self.spares_wanted = 0
         for member in self.spares:
             self.board.assign(member, STOP)
+            self.roles[member] = "leaving"
         self.spares = []
 
     def progress(self) -> int:
@@ -152,7 +153,7 @@ class Coordinator:
         lost = self._collect(now) + self._hung(now)
         events.lost.extend(lost)
         for fault in lost:
-            if fault.role == "spare":
+            if fault.member in self.spares:
                 self.spares.remove(fault.member)
         self.recover_without([f for f in lost if f.role != "spare"], now)
         request = self.pending()
@@ -207,7 +208,9 @@ class Coordinator:
         return lost
 
     def _hung(self, now: float) -> list[Fault]:
-        hung = self.detector.look(self.members, now)
+        request = self.pending()  # during a recovery its survivors are the group whose collectives compare
+        serving = request.members if request is not None and request.kind == "recovery" else self.members
+        hung = self.detector.look(serving, now)
         lost = []
         for member, why in hung.items():
             if member not in self.roles:
@@ -269,9 +272,11 @@ class Coordinator:
         gone = {f.member for f in serving} | set(self.dead)  # one lost before (its recovery given up) is gone too
         survivors = tuple(m for m in self.members if m not in gone)
         if len(survivors) * self.num_local < self.spec.cfg.num_experts:
-            for fault in serving:
-                self.failures[fault.member] = (f"lost and cannot be recovered from: {len(survivors)} survivors x "
-                                               f"{self.num_local} slots cannot host {self.spec.cfg.num_experts} experts")
+            for fault in serving:  # what it failed with, where it said, stays first
+                why = (f"lost and cannot be recovered from: {len(survivors)} survivors x {self.num_local} slots cannot "
+                       f"host {self.spec.cfg.num_experts} experts")
+                self.failures[fault.member] = (f"{self.failures[fault.member]}\n{why}" if fault.member in self.failures
+                                               else why)
             return 0
         index, self.next_index = self.next_index, self.next_index + 1
         for fault in serving:

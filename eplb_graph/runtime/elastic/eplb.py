@@ -50,8 +50,11 @@ class GenerationCoordinator:
 
     @property
     def cpu_group(self) -> dist.ProcessGroup:
+        """Upstream reads it right before its collectives: on the main thread's ("ep") that goes through
+        the slot's ``current``, which counts the collectives the keep-alive reports (every member reads
+        it on the same paths); the worker thread's ("eplb") are not the main thread's to count."""
         group = self._group()
-        pg = group.process_group if self.kind == "ep" else group.eplb_process_group
+        pg = group.current()[0] if self.kind == "ep" else group.eplb_process_group
         if pg is None:
             raise RuntimeError(f"elastic EP group {self.name!r} has no {self.kind} group in generation "
                                f"{group.generation.index if group.generation else None}")

@@ -120,6 +120,10 @@ class ElasticEpGroup:
         self.collectives += 1
         return self.process_group, self.rank, self.size
 
+    def counted(self) -> tuple[int | None, int]:
+        """(the generation serving, the collectives entered through ``current`` in it)."""
+        return (None if self.generation is None else self.generation.index), self.collectives
+
     @property
     def rank(self) -> int:
         return self.generation.rank_of(self.member)
@@ -161,9 +165,6 @@ class ElasticEpGroup:
             raise ElasticGroupError(f"a standby generation of EP group {self.name!r} is already being built")
         board = self.board.clone()  # a store client is not safe to share between threads
         self.standby = StandbyBuild(lambda: self._build(generation, board), generation, after_build, self.name)
-
-    def standby_failed(self) -> BaseException | None:
-        return self.standby.error if self.standby is not None and self.standby.done() else None
 
     def switch_when_built(self, generation: Generation, given_up: Callable[[], bool],
                           after_build: Callable[[dist.ProcessGroup], None] | None = None,

@@ -8,10 +8,12 @@ of what was seen and when, on the coordinator's own clock:
 
 * *silent*: no beat for ``hang_s`` -- SIGSTOP, or a process-wide hang (the GIL held);
 * *still*: beating, its main thread outside any wait on peers, no progress for ``hang_s`` --
-  a deadlocked main thread;
-* *behind*: every member of the serving generation beating and waiting on its peers, none
-  moving for ``hang_s``, some having entered fewer collectives than the others -- those are
-  stuck where the others wait for them (a collective the rest never entered).
+  a deadlocked main thread (starting -- building, compiling -- it has ``startup_s``);
+* *behind*: a member of the serving generation beating, waiting on its peers and not moving
+  for twice ``hang_s``, while a peer of its generation entered more collectives (the others
+  wait for it where it never arrived), or every peer gave the generation up (their collectives
+  timed out around it). Twice: a member merely slow inside its forward looks the same, for a
+  while, on a starved machine.
 
 A hung member is fenced (killed, and its fence key makes it exit at its next beat if it
 ever runs again) and recovered from exactly as a death is. A group stuck in one collective
@@ -33,17 +35,20 @@ log = logging.getLogger("eplb_graph.elastic.liveness")
 
 FENCED_EXIT = 70  # a member that found itself fenced
 COORDINATOR_LOST_EXIT = 71  # a member whose store went away: its coordinator is gone
-STILL_PHASES = (Phase.SERVING, Phase.PREPARING, Phase.RECOVERING, Phase.JOINING)  # main thread marks progress
+# where the main thread marks progress at least every step or poll; starting (building, compiling) it may not for long
+STILL_PHASES = (Phase.SPARE, Phase.JOINING, Phase.SERVING, Phase.PREPARING, Phase.RECOVERING)
 
 
 class KeepAliveThread:
     """This member's keep-alive. The main thread calls ``mark`` where it moves on and enters
     ``waiting`` around what waits on its peers; the thread publishes both every ``beat_s``."""
 
-    def __init__(self, board: Board, member: int, beat_s: float, collectives: Callable[[], int]) -> None:
+    def __init__(self, board: Board, member: int, beat_s: float,
+                 collectives: Callable[[], tuple[int | None, int]]) -> None:
+        """``collectives()``: (the generation its EP group serves, the collectives entered in it)."""
         self.board, self.member, self.beat_s, self.collectives = board.clone(), member, beat_s, collectives
         self.progress, self.beats, self._waiting = 0, 0, 0
-        self.phase, self.generation = Phase.STARTING, None
+        self.phase = Phase.STARTING
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"keep-alive-{member}", daemon=True)
 
@@ -58,10 +63,10 @@ class KeepAliveThread:
     def mark(self) -> None:
         self.progress += 1
 
-    def set_phase(self, phase: Phase, generation: int | None = None) -> None:
+    def set_phase(self, phase: Phase) -> None:
         if phase != self.phase:
-            log.debug("member %d: %s -> %s (generation %s)", self.member, self.phase.value, phase.value, generation)
-        self.phase, self.generation = phase, generation
+            log.debug("member %d: %s -> %s", self.member, self.phase.value, phase.value)
+        self.phase = phase
         self.mark()
 
     @contextlib.contextmanager
@@ -75,7 +80,8 @@ class KeepAliveThread:
             self.progress += 1
 
     def snapshot(self) -> KeepAlive:
-        return KeepAlive(self.beats, self.progress, self.collectives(), self._waiting > 0, self.phase, self.generation)
+        generation, collectives = self.collectives()
+        return KeepAlive(self.beats, self.progress, collectives, self._waiting > 0, self.phase, generation)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -99,6 +105,7 @@ class Seen:
     alive: KeepAlive | None = None
     beat_s: float | None = None  # when the beat count last changed
     moved_s: float | None = None  # when progress or collectives last changed
+    phase_s: float | None = None  # when its phase (or generation) last changed
 
 
 def observe(seen: Seen, alive: KeepAlive | None, now: float) -> None:
@@ -109,6 +116,8 @@ def observe(seen: Seen, alive: KeepAlive | None, now: float) -> None:
         seen.beat_s = now
     if last is None or (alive.progress, alive.collectives) != (last.progress, last.collectives):
         seen.moved_s = now
+    if last is None or (alive.phase, alive.generation) != (last.phase, last.generation):
+        seen.phase_s = now
     seen.alive = alive
 
 
@@ -129,15 +138,20 @@ def hung_members(seen: dict[int, Seen], serving: tuple[int, ...], now: float, ha
             hung[member] = f"silent for {now - s.beat_s:.1f} s (stopped or hung)"
         elif s.alive.phase in STILL_PHASES and not s.alive.waiting and now - s.moved_s > hang_s:
             hung[member] = f"main thread still for {now - s.moved_s:.1f} s while {s.alive.phase.value}"
-    group = [seen[m] for m in serving if m in seen and m not in hung and seen[m].alive is not None]
-    same_generation = len({s.alive.generation for s in group}) == 1  # collectives count from its start
-    if len(group) == len(serving) > 1 and same_generation and all(waiting_still(s, now, hang_s) for s in group) \
-            and all(now - s.beat_s < hang_s / 2 for s in group):
-        most = max(s.alive.collectives for s in group)
-        for member, s in zip(serving, group):
-            if s.alive.collectives < most:
-                hung[member] = (f"behind its peers: entered {s.alive.collectives} collectives of generation "
-                                f"{s.alive.generation}, they wait in collective {most}")
+        elif s.alive.phase is Phase.STARTING and now - s.moved_s > startup_s:
+            hung[member] = f"still starting after {now - s.moved_s:.0f} s (bound {startup_s:g} s)"
+    peers = {m: seen[m] for m in serving if m in seen and m not in hung and seen[m].alive is not None}
+    for member, s in peers.items():
+        if not (waiting_still(s, now, 2 * hang_s) and now - s.beat_s < hang_s / 2):
+            continue
+        same = [p for m, p in peers.items() if m != member and p.alive.generation == s.alive.generation]
+        most = max((p.alive.collectives for p in same), default=0)  # collectives count from the generation's start
+        if most > s.alive.collectives:
+            hung[member] = (f"behind its peers: entered {s.alive.collectives} collectives of generation "
+                            f"{s.alive.generation}, a peer {most}")
+        elif same and all(p.alive.phase is Phase.RECOVERING and now - p.phase_s > hang_s for p in same):
+            # the last one left, ``hang_s`` after all the others failed (not the one about to fail next)
+            hung[member] = f"still waiting in a collective of generation {s.alive.generation} its peers gave up"
     return hung
 
 
@@ -161,7 +175,7 @@ class FailureDetector:
             observe(s, self.board.keep_alive(member), now)
         hung = hung_members(self.seen, serving, now, self.hang_s, self.startup_s)
         group = [self.seen[m] for m in serving if m in self.seen and self.seen[m].alive is not None]
-        stuck = len(group) == len(serving) > 1 and not hung and all(waiting_still(s, now, self.hang_s) for s in group)
+        stuck = len(group) == len(serving) > 1 and not hung and all(waiting_still(s, now, 2 * self.hang_s) for s in group)
         if stuck and self._stuck_logged is None:
             self._stuck_logged = now
             log.error("members %s all wait in one collective, none behind: left to its timeout", list(serving))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -29,7 +28,7 @@ from eplb_graph.runtime.elastic.eplb import ElasticEplb
 from eplb_graph.runtime.elastic.group import ElasticEpGroup
 from eplb_graph.runtime.elastic.liveness import KeepAliveThread
 from eplb_graph.runtime.elastic.member import Act, Control, JoinView, View, decide, decide_join, vote
-from eplb_graph.runtime.elastic.member_transitions import POLL_S, MemberTransitions, Pending
+from eplb_graph.runtime.elastic.member_transitions import POLL_S, MemberTransitions, Pending, failure_text
 from eplb_graph.runtime.elastic.protocol import STOP, Board, Generation, Phase, Release, Switched
 from eplb_graph.runtime.elastic.spec import ElasticSpec, MemberResult
 from eplb_graph.runtime.elastic.stack import build_elastic_models, receive_state
@@ -48,16 +47,16 @@ class ElasticMember(MemberTransitions):
     def __init__(self, member: int, spec: ElasticSpec, first_generation: int | None, board: Board, *,
                  offer: bool = False) -> None:
         self.member, self.spec, self.cfg, self.board = member, spec, spec.cfg, board
-        self.group = ElasticEpGroup(spec.name, board, member, spec.max_ranks, timeout_s=spec.timeout_s,
+        self.group = ElasticEpGroup(spec.group_name, board, member, spec.max_ranks, timeout_s=spec.timeout_s,
                                     eplb_group=spec.cfg.eplb)
-        self.alive = KeepAliveThread(board, member, spec.beat_s, lambda: self.group.collectives).start()
+        self.alive = KeepAliveThread(board, member, spec.beat_s, self.group.counted).start()
         self.result = MemberResult(member)
         self.pending: Pending | None = None
         self.step, self.next_generation = 0, 1
         self.reshuffling = False  # inside a weight move: a failure leaves weights unlike the lookups
         self.failure: str | None = None  # a step that failed while joining: recovered from before serving
         founding_rank = board.generation(0, spec.timeout_s).rank_of(member) if first_generation == 0 else None
-        self.models = build_elastic_models(self.cfg, member, founding_rank, spec.max_ranks, spec.name)
+        self.models = build_elastic_models(self.cfg, member, founding_rank, spec.max_ranks, spec.group_name)
         self.forward = prepare_forward(self.models.model, self.cfg, self.models.rank_layers, [])
         self.eplb = ElasticEplb(self.models, self.cfg, timeout_s=spec.timeout_s)
         if first_generation == 0:
@@ -65,7 +64,7 @@ class ElasticMember(MemberTransitions):
                                          poll=self.alive.mark)
             self._warm_up()
             self.eplb.start(self.group)
-            self.alive.set_phase(Phase.SERVING, 0)
+            self.alive.set_phase(Phase.SERVING)
             return
         with self.group.solo():  # a joiner's graphs exist before it is asked to serve
             self._warm_up()
@@ -84,22 +83,26 @@ class ElasticMember(MemberTransitions):
             if value is not None:
                 return value
             time.sleep(POLL_S)
+        self.alive.stop()
         raise Leaving(f"spare member {self.member} was not needed")
 
     def join(self, index: int) -> None:
         """Builds generation ``index`` beside nothing, takes rank 0's state, says ready, and serves
         once the switch wins; leaves where the resize is given up (by itself past its bound too)."""
         started, said_ready = time.monotonic(), False
-        self.alive.set_phase(Phase.JOINING, index)
+        since = started  # the joiner's own bound counts from here (a drain's hold does not count)
+        self.alive.set_phase(Phase.JOINING)
         generation = self.board.generation(index, self.spec.timeout_s)
         self.group.build_standby(generation, after_build=lambda pg: receive_state(self.models, pg, self.spec.timeout_s))
         while True:
             self.alive.mark()
+            if self.board.held(index) and self.board.release_of(index) is None:
+                since = time.monotonic()
             standby = self.group.standby
             error = standby.error if standby.done() else None
             view = JoinView(built=standby.done() and error is None, build_error=None if error is None else str(error),
                             said_ready=said_ready, outcome=self.board.outcome(index),
-                            waited_s=time.monotonic() - started, bound_s=self.spec.deadline_s + self.spec.timeout_s)
+                            waited_s=time.monotonic() - since, bound_s=self.spec.deadline_s + self.spec.timeout_s)
             act, outcome = decide_join(view), view.outcome
             if act is Act.SAY_READY:
                 self.board.say_ready(index, self.member)
@@ -112,6 +115,7 @@ class ElasticMember(MemberTransitions):
                 time.sleep(POLL_S)
             if act is Act.LEAVE:
                 self.group.abandon_standby()
+                self.alive.stop()
                 raise Leaving(f"member {self.member}: the resize to generation {index} was given up")
             if act is Act.SWITCHED:
                 break
@@ -120,7 +124,7 @@ class ElasticMember(MemberTransitions):
         try:
             self._after_switch(generation, outcome.old_size, self.eplb.logical_load(), joined=True)
         except Exception:  # a peer died during the reshuffle: run() recovers first
-            self.failure = traceback.format_exc()
+            self.failure = failure_text()
 
     # -- serving -----------------------------------------------------------------------
 
@@ -134,11 +138,11 @@ class ElasticMember(MemberTransitions):
                 if not self._one_step():
                     break
             except Exception:
-                failure = traceback.format_exc()
+                failure = failure_text()
         self.result.eplb = self.eplb.summary()
         self.result.recompiles = unique_graphs() - self.graphs_after_warmup
         self.group.leave()
-        self.alive.set_phase(Phase.LEFT)
+        self.alive.stop()  # its keys are the coordinator's to forget once it reports
         return self.result
 
     def _one_step(self) -> bool:
@@ -151,12 +155,13 @@ class ElasticMember(MemberTransitions):
             agreed = Control.from_list(self._all_max(mine.as_list()))
             act = decide(self.pending is not None, agreed)
             if act is not Act.STOP and agreed.work:
-                self.result.control_ms.append((time.perf_counter() - started) * 1e3)  # the reads and the all-reduce
+                self.record_control((time.perf_counter() - started) * 1e3)  # the reads and the all-reduce
                 self.serve_step()
         if act is Act.STOP:
             if self.pending is not None:
                 self._give_up(why or "the run ended before the resize could switch")
-            self.eplb.stop()  # every member of the last generation, at its last step
+            with self.alive.waiting():
+                self.eplb.stop()  # every member of the last generation, at its last step (lockstep)
             return False
         self.step += 1
         if self.group.rank == 0:
@@ -220,6 +225,11 @@ class ElasticMember(MemberTransitions):
 
     def last_step_ms(self) -> float | None:
         return None
+
+    def record_control(self, ms: float) -> None:
+        """A step's control time (its store reads and the control all-reduce)."""
+        self.result.control_ms.append(ms)
+        self.result.steps_served += 1
 
     def on_leave(self) -> None:
         """This member is not in the generation the group switched to (a server's hands its requests back)."""

@@ -2,16 +2,18 @@
 
 A mixin of ``ElasticMember`` (its state is the member's: ``pending``, ``step``, the group, the
 models, upstream's EPLB). A switch moves the departing ranks' experts first (scaling down),
-meets the others at the commit point (``Board.commit``; the first writer of a generation's
-outcome wins), then swaps the group slot -- the graphs follow: the EP ops resolve the group
-by name -- and spreads the experts over the new ranks (scaling up). A recovery goes into the
-generation the coordinator announces for the broken one, or fails where none comes within
-the bound: then the failure was the member's own.
+waits in one more all-reduce for every member to be past its step and its weight move, meets
+the others at the commit point (``Board.commit``; the first writer of a generation's outcome
+wins), then swaps the group slot -- the graphs follow: the EP ops resolve the group by name --
+and spreads the experts over the new ranks (scaling up). A recovery goes into the generation
+the coordinator announces for the broken one, dropping the broken group only then; where none
+comes within the bound, the failure was the member's own and it fails.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -29,6 +31,15 @@ log = logging.getLogger("eplb_graph.elastic.member")
 POLL_S = 0.05  # how often a member not stepping looks at the store (a timed-out store wait warns each time)
 
 
+def failure_text() -> str:
+    """The exception being handled, as text, with its frames' locals cleared: nothing it raised
+    through (a collective's process group among them) is kept alive by it, so a broken group
+    closes its connections as soon as the member drops it."""
+    text = traceback.format_exc()
+    traceback.clear_frames(sys.exc_info()[2])
+    return text
+
+
 @dataclass
 class Pending:
     generation: Generation
@@ -42,7 +53,7 @@ class MemberTransitions:
     def _prepare(self, generation: Generation) -> None:
         held = self.board.held(generation.index)
         self.pending = Pending(generation, held, time.monotonic())
-        self.alive.set_phase(Phase.PREPARING, self.group.generation.index)
+        self.alive.set_phase(Phase.PREPARING)
         if self.member not in generation.members:
             return  # departing: nothing to build
         joiner_ranks = [generation.rank_of(m) for m in generation.members if m not in self.group.generation.members]
@@ -62,16 +73,19 @@ class MemberTransitions:
                  list(generation.members), why)
         self.result.abandoned.append(generation.index)
         self.pending, self.next_generation = None, generation.index + 1
-        self.alive.set_phase(Phase.SERVING, self.group.generation.index)
+        self.alive.set_phase(Phase.SERVING)
 
     def _switch(self) -> bool:
         generation = self.pending.generation
         old_size, new_size = self.group.size, generation.size
         started, moved = time.monotonic(), 0
-        load = self.eplb.stop()  # upstream's rearrangement in flight ends here, on every member
         with self.alive.waiting():
+            load = self.eplb.stop()  # upstream's rearrangement in flight ends here, on every member (lockstep)
             if new_size < old_size:  # the departing ranks' experts go to the survivors first, over the old group
                 moved = self._reshuffle(old_size, new_size, load)
+            # every member past its step and its weight move before anyone commits: a member that failed
+            # on the way never gets here, nobody does, and the group recovers whole from the old generation
+            self._all_max([0.0])
             switched = Switched(self.step, old_size)
             if self.group.rank == 0:
                 outcome = self.board.commit(generation.index, switched)
@@ -88,7 +102,7 @@ class MemberTransitions:
                     self._reshuffle(new_size, old_size, self.eplb.logical_load())
             self.result.abandoned.append(generation.index)
             self.eplb.start(self.group)
-            self.alive.set_phase(Phase.SERVING, self.group.generation.index)
+            self.alive.set_phase(Phase.SERVING)
             return True
         if act is Act.LEAVE:
             self.result.left_at_step = self.step
@@ -100,8 +114,9 @@ class MemberTransitions:
 
     def _reshuffle(self, old_size: int, new_size: int, load: torch.Tensor) -> int:
         self.reshuffling = True
-        moved = reshuffle(self.models.rank_layers, self.group.process_group, old_size, new_size,
-                          self.models.num_local, load, timeout_s=self.spec.timeout_s).bytes_moved
+        moved = reshuffle(self.models.rank_layers, self.group.current()[0], old_size, new_size,
+                          self.models.num_local, load, timeout_s=self.spec.timeout_s,
+                          on_layer=self.group.current).bytes_moved  # each layer's exchange counts as a collective
         self.reshuffling = False
         return moved
 
@@ -110,7 +125,7 @@ class MemberTransitions:
         """``load`` [L, num_logical]: what this member recorded in the old generation (a joiner: nothing)."""
         started = time.monotonic() if started is None else started
         self.next_generation = generation.index + 1
-        self.alive.set_phase(Phase.SERVING, generation.index)
+        self.alive.set_phase(Phase.SERVING)
         if generation.size > old_size:  # the new ranks get their experts, over the new group
             with self.alive.waiting():
                 moved += self._reshuffle(old_size, generation.size, load)
@@ -124,16 +139,16 @@ class MemberTransitions:
 
     def _recover(self, failure: str) -> None:
         """A step failed: recover into the generation the coordinator announces for the broken one,
-        or fail where it announces none within the bound (the failure was this member's own)."""
+        or fail where it announces none within the bound (the failure was this member's own). The
+        broken group is dropped only once a recovery is announced: a member whose own failure it
+        was leaves its peers whole, to be recovered from as a death once it fails."""
         started = time.monotonic()
         broken = self.group.generation
-        self.alive.set_phase(Phase.RECOVERING, broken.index)
+        self.alive.set_phase(Phase.RECOVERING)
         own = torch.stack([layer.tables.physical_to_logical for layer in self.models.rank_layers])  # [L, width]
         stale, tried, since = self.reshuffling, None, started
-        self.eplb.discard()  # before the abort: nothing may keep the broken groups alive
         self.group.abandon_standby()
-        self.group.abort()  # our peers still inside a collective of the broken group fail now, not at its timeout
-        self.pending, bound = None, self.spec.hang_s + self.spec.timeout_s
+        self.pending, bound = None, self.spec.detection_bound_s
         while True:
             self.alive.mark()
             view = RecoveryView(self.board.recovery_of(broken.index), tried, time.monotonic() - since, bound)
@@ -144,20 +159,23 @@ class MemberTransitions:
             if act is Act.WAIT:
                 time.sleep(POLL_S)
                 continue
+            if tried is None:  # a peer was lost: the broken group goes, and a peer inside one of its
+                self.eplb.discard()  # collectives fails now, not at its timeout (nothing may keep it alive)
+                self.group.abort()
             try:
                 recovered = self._recover_into(view.announced, broken, own, stale)
                 break
             except Exception:  # another member died meanwhile: the coordinator announces the next
-                failure, tried, stale, since = traceback.format_exc(), view.announced, True, time.monotonic()
+                failure, tried, stale, since = failure_text(), view.announced, True, time.monotonic()
                 self.group.abandon_standby()
                 self.group.abort()
         self.reshuffling = False
         self.step, self.next_generation = recovered.resume_step, recovered.generation.index + 1
         self.result.recoveries.append(recovery_record(recovered, broken, started))
-        self.alive.set_phase(Phase.SERVING, recovered.generation.index)
+        self.alive.set_phase(Phase.SERVING)
 
     def _recover_into(self, index: int, broken: Generation, own: torch.Tensor, stale: bool) -> Recovered:
-        with self.alive.waiting():
+        with self.alive.waiting():  # its collectives go through the group slot: the keep-alive counts them
             recovered = recover_into(
                 self.member, index, broken, own, stale=stale, step=self.step, board=self.board, group=self.group,
                 layers=self.models.rank_layers, num_local=self.models.num_local, num_logical=self.cfg.num_experts,

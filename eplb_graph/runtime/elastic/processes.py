@@ -9,13 +9,14 @@ known only by its keep-alive, and a fence reaches it through the store.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
-import gc
 import logging
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 from dataclasses import asdict
@@ -46,7 +47,7 @@ def member_main(member: int, spec: ElasticSpec, first_generation: int | None, bo
         install_member_faults()
     torch.set_num_threads(1)
     try:
-        with torch.no_grad(), elastic_eplb_session(spec.cfg, spec.name, spec.max_ranks):
+        with torch.no_grad(), elastic_eplb_session(spec.cfg, spec.group_name, spec.max_ranks):
             kind = ServingMember if spec.serve is not None else ScriptedMember
             report = asdict(kind(member, spec, first_generation, board, offer=offer).run())
     except Leaving as leaving:
@@ -62,10 +63,14 @@ def _child(member: int, spec: ElasticSpec, first_generation: int | None) -> None
     # Ctrl-C reaches the whole process group; the coordinator answers it and stops every member
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = member_main(member, spec, first_generation)
-    # the interpreter's own exit (its atexit handlers unregister this process's semaphores), without
-    # its last collection over torch's and vLLM's objects: the memory goes back with the process
-    gc.freeze()
-    raise SystemExit(code)
+    # the interpreter's exit handlers (multiprocessing's unregister this process's semaphores), then
+    # out: not the teardown of native threads a group given up may still block in (it aborts the
+    # process), nor the last collection over torch's and vLLM's objects
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class MemberProcesses:

@@ -133,13 +133,13 @@ def recover_into(member: int, index: int, broken: Generation, own: torch.Tensor,
     if not group.switch_when_built(generation, given_up=given_up, poll=poll):
         raise LostPeer(f"recovery generation {index} was given up: another member died")
     # a failure inside a weight move can leave the members' tables a commit apart: all take rank 0's
-    placement = from_rank_0(own, group.rank, group.process_group)
+    placement = from_rank_0(own, group.rank, group.current()[0])
     recovered = surviving_placement(placement, [broken.rank_of(m) for m in generation.members], num_local,
                                     num_logical)
     stale = stale or not torch.equal(own, placement)  # weights unlike the agreed placement
     loaded = reload_lost_experts(layers, recovered, broken.rank_of(member), group.rank, num_local, source,
                                  everything=stale)
-    resume = int(all_max(torch.tensor([step]), group.process_group)[0])
+    resume = int(all_max(torch.tensor([step]), group.current()[0])[0])
     requeued = serve_owed(broken, generation, resume)
     if group.rank == 0:
         outcome = board.commit(index, Switched(resume, broken.size))
@@ -156,7 +156,7 @@ def serve_lost_batches(board: Board, member: int, group, broken: Generation, gen
     (everyone else serves an empty batch beside it); returns how many."""
     failed = torch.zeros(broken.size, dtype=torch.int64)
     failed[broken.rank_of(member)] = step < resume
-    failed = all_max(failed, group.process_group)
+    failed = all_max(failed, group.current()[0])
     dead = [m for m in broken.members if m not in generation.members]
 
     def last_served(m: int) -> int:  # as its rank in the broken generation (not a batch served again for a peer)

@@ -71,6 +71,7 @@ class ElasticServer:
         self.requests: dict[int, dict] = {}  # rid -> the request, until answered
         self.assigned: dict[int, int] = {}  # rid -> member, until answered
         self.results: dict[int, dict] = {}  # answered, not fetched yet
+        self.unclaimed: set[int] = set()  # their caller stopped waiting: dropped when answered
         self.leaving: set[int] = set()  # scaled away: what they hand back is awaited
         self.held: list[int] | None = None  # while a drain runs: requests submitted since, not assigned yet
         self.next_rid, self.turn = 0, 0
@@ -152,6 +153,7 @@ class ElasticServer:
                 self.check()
                 if not self.answered.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
                     if time.monotonic() >= deadline:
+                        self.unclaimed.add(rid)
                         raise TimeoutError(f"request {rid} did not finish within {timeout_s:.0f} s")
             return self.results.pop(rid)
 
@@ -286,7 +288,10 @@ class ElasticServer:
                 continue
             del self.requests[rid]
             self.assigned.pop(rid, None)
-            self.results[rid] = result
+            if rid in self.unclaimed:
+                self.unclaimed.discard(rid)
+            else:
+                self.results[rid] = result
             self.stats.requests_completed += 1
             self.stats.output_mismatches += not result["matches_reference"]
         self.answered.notify_all()

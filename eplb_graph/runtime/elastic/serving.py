@@ -15,6 +15,7 @@ and the server re-queues what it had assigned to it.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -22,9 +23,10 @@ import torch
 from eplb_graph.runtime.compile import unique_graphs
 from eplb_graph.runtime.elastic.member_process import ElasticMember
 from eplb_graph.runtime.elastic.protocol import Board, Generation
-from eplb_graph.runtime.elastic.spec import ElasticSpec
+from eplb_graph.runtime.elastic.spec import ElasticSpec, MemberResult
 
 IDLE_WAIT_S = 0.002  # an idle step's pause, so an idle group does not spin its cores
+KEPT_STEPS = 1000  # per-step records a server member keeps: the first ones and the last ones, however long it serves
 
 
 @dataclass
@@ -43,6 +45,7 @@ class ServingMember(ElasticMember):
         self.queue: list[dict] = []
         self.active: list[Active] = []
         self.step_ms: float | None = None
+        self.control_last: deque[float] = deque(maxlen=KEPT_STEPS)
         super().__init__(member, spec, first_generation, board, offer=offer)
 
     def _warm_up(self) -> None:
@@ -75,13 +78,21 @@ class ServingMember(ElasticMember):
         self.board.hand_back(self.member, unfinished)
         self.active, self.queue = [], []
 
+    def record_control(self, ms: float) -> None:
+        """Memory bounded in the steps served: the first ``KEPT_STEPS`` and the last ones."""
+        kept = self.result.control_ms if len(self.result.control_ms) < KEPT_STEPS else self.control_last
+        kept.append(ms)
+        self.result.steps_served += 1
+
+    def run(self) -> MemberResult:
+        result = super().run()
+        result.control_ms_last = list(self.control_last)
+        return result
+
     def serve_step(self) -> None:
         started = time.monotonic()
         self._generate_one_token()
-        self.result.step_end_s.append(time.monotonic())
-        self.step_ms = (self.result.step_end_s[-1] - started) * 1e3
-        self.result.step_size.append(self.group.size)
-        self.result.steps.append(self.step)
+        self.step_ms = (time.monotonic() - started) * 1e3
 
     def _generate_one_token(self) -> None:
         tokens = torch.zeros(self.shape.rows, self.shape.seq, dtype=torch.long)  # [B, S], rows right-padded

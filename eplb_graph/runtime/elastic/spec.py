@@ -47,6 +47,18 @@ class ElasticSpec:
     serve: ServeShape | None = None  # serving requests (``eplb-graph serve``); None: the scripted workload
     chaos: bool = False  # members take fault injection (``chaos.py``): tests and the chaos run only
 
+    @property
+    def detection_bound_s(self) -> float:
+        """How long a loss may take to be known: the failure detector's longest rule ("behind",
+        twice ``hang_s``), a keep-alive late by a beat, and the coordinator's look."""
+        return 2 * self.hang_s + 2 * self.beat_s + 2.0
+
+    @property
+    def group_name(self) -> str:
+        """The EP group slot's name, as the graphs hold it: with the maximum size, which the EP ops'
+        shapes are traced from, so a compiled graph cached for another maximum never matches."""
+        return f"{self.name}-max{self.max_ranks}"
+
     def connect(self) -> Board:
         """A new client of the run's store (one per thread that uses it)."""
         store = dist.TCPStore(self.store_host, self.store_port, is_master=False,
@@ -74,6 +86,8 @@ class MemberResult:
     step_size: list[int] = field(default_factory=list)  # the group's size at each step
     steps: list[int] = field(default_factory=list)
     control_ms: list[float] = field(default_factory=list)  # per step served: its store reads and control all-reduce
+    control_ms_last: list[float] = field(default_factory=list)  # a server member: control_ms holds the first ones
+    steps_served: int = 0
     output_mismatches: int = 0
     max_abs_diff: float = 0.0
     recompiles: int = 0  # after warm-up: on the serving path

@@ -25,16 +25,18 @@ def test_a_token_that_is_not_the_references_greedy_choice_is_caught():
     with torch.no_grad():
         for _ in range(3):
             tokens.append(int(reference(torch.tensor([prompt + tokens]))[0, -1].argmax()))
-    assert not_greedy(reference, {1: (prompt, 3)}, {1: [{"token_ids": tokens}]}) == []
+    assert not_greedy(reference, {1: (prompt, 3)}, {1: {"token_ids": tokens}}) == []
     wrong = tokens[:2] + [(tokens[2] + 1) % cfg.vocab_size]
-    assert not_greedy(reference, {1: (prompt, 3)}, {1: [{"token_ids": wrong}]}) == [1]
+    assert not_greedy(reference, {1: (prompt, 3)}, {1: {"token_ids": wrong}}) == [1]
+    assert not_greedy(reference, {1: (prompt, 3)}, {1: {"token_ids": tokens[:2]}}) == [1]  # one token short
 
 
 def test_a_run_fails_on_anything_lost_twice_wrong_or_late():
-    clean = {"requests_unanswered": 0, "requests_answered_twice": 0, "requests_duplicated": 0, "output_mismatches": 0,
-             "recompiles": 0, "records": [{"within_bounds": True}]}
+    clean = {"requests_unanswered": 0, "requests_duplicated": 0, "output_mismatches": 0, "recompiles": 0,
+             "members_lost_not_injected": [], "records": [{"within_bounds": True}]}
     assert chaos_failures(clean) == []
-    assert chaos_failures({**clean, "requests_answered_twice": 2}) == ["2 requests answered twice"]
+    assert chaos_failures({**clean, "requests_duplicated": 2}) == ["2 requests duplicated"]
+    assert chaos_failures({**clean, "members_lost_not_injected": [5]}) == ["members [5] lost that no fault touched"]
     assert len(chaos_failures({**clean, "records": [{"within_bounds": False}]})) == 1
 
 
@@ -47,3 +49,4 @@ def test_one_seed_of_chaos_under_traffic_loses_and_duplicates_nothing():
     assert report["faults"] >= len(ACTIONS) - 1 and report["requests_answered"] > 0
     kinds = {record["detected_as"] for record in report["records"]}
     assert kinds == {"died", "hung"}  # kills seen as deaths; SIGSTOPs and hung main threads found by the detector
+    assert all(record["injected"] for record in report["records"])

@@ -117,6 +117,15 @@ def test_a_dead_spare_is_removed_from_the_pool_and_replaced():
     assert run.requests == []  # a spare's death is no recovery
 
 
+def test_a_spare_released_at_the_end_that_dies_before_it_leaves_is_no_fault_of_the_run():
+    run = coordinator(2, spares=1)
+    run.release_spares()
+    assert run.board.assignment(2) == "stop" and run.spares == []
+    run.processes.exited_codes[2] = -9  # gone before it read its stop
+    events = run.tick()
+    assert [(f.member, f.role) for f in events.lost] == [(2, "leaving")] and run.requests == [] and not run.failures
+
+
 def test_a_hung_member_is_fenced_and_recovered_from_as_a_death():
     run = coordinator(3, hang_s=5.0)
     for now in (0.0, 3.0, 6.0):  # everyone beats and moves on; member 2 only at first

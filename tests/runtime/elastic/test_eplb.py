@@ -34,6 +34,11 @@ class Slot:
     def __init__(self, ep, eplb, rank, size):
         self.process_group, self.eplb_process_group, self.rank, self.size = ep, eplb, rank, size
         self.generation = SimpleNamespace(index=3)
+        self.collectives = 0
+
+    def current(self):
+        self.collectives += 1
+        return self.process_group, self.rank, self.size
 
 
 def test_the_coordinator_follows_the_group_registered_under_its_name():
@@ -42,6 +47,7 @@ def test_the_coordinator_follows_the_group_registered_under_its_name():
     try:
         ep, eplb = GenerationCoordinator("coordinator-test", "ep"), GenerationCoordinator("coordinator-test", "eplb")
         assert (ep.cpu_group, ep.device_group, eplb.cpu_group) == ("ep-group", "ep-group", "eplb-group")
+        assert slot.collectives == 2  # the main thread's reads count (the keep-alive reports them), the worker's not
         assert (ep.rank_in_group, ep.world_size) == (1, 3)
         slot.process_group, slot.rank, slot.size = "next-group", 0, 4  # a switch: read at every call
         assert (ep.cpu_group, ep.rank_in_group, ep.world_size) == ("next-group", 0, 4)

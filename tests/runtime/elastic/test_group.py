@@ -27,10 +27,10 @@ def test_the_slot_serves_the_ops_and_switches_to_a_standby_generation(board):
             group.current()
         assert group.switch_when_built(Generation(0, (7,)), given_up=lambda: False)
         assert group.current() == (None, 0, 1) and EP_GROUPS.resolve("g-switch") is group
-        assert group.collectives == 1  # what the ops entered through the slot, counted per generation
+        assert group.counted() == (0, 1)  # what the ops entered through the slot, counted per generation
         group.build_standby(Generation(1, (7,)))
-        assert group.standby.done(5) and group.standby_failed() is None
-        assert group.switch_().index == 1 and group.generation.index == 1 and group.collectives == 0
+        assert group.standby.done(5) and group.standby.error is None
+        assert group.switch_().index == 1 and group.generation.index == 1 and group.counted() == (1, 0)
         with pytest.raises(ElasticGroupError, match="no standby generation"):
             group.switch_()
     finally:
@@ -45,7 +45,7 @@ def test_a_standby_larger_than_the_maximum_fails_and_the_current_group_serves_on
         group.switch_when_built(Generation(0, (0,)), given_up=lambda: False)
         group.build_standby(Generation(1, (0, 1, 2)))
         assert group.standby.done(5)
-        assert "more than the group's maximum 2" in str(group.standby_failed())
+        assert "more than the group's maximum 2" in str(group.standby.error)
         with pytest.raises(ElasticGroupError, match="building generation 1's group failed"):
             group.switch_()
         assert group.current() == (None, 0, 1) and group.generation.index == 0
@@ -92,7 +92,7 @@ def test_a_build_given_up_never_reaches_the_next_one(board):
         assert group.standby.done(5)
         release.set()
         assert given_up.done(5) and "never came" in str(given_up.error)  # it failed on its own
-        assert group.standby_failed() is None and group.switch_().index == 2
+        assert group.standby.error is None and group.switch_().index == 2
     finally:
         group.leave()
 

@@ -32,7 +32,11 @@ def test_requests_complete_exactly_once_through_resizes_under_traffic():
         wait_until(lambda: server.stats.requests_completed >= 10)
         keys, served = server.coordinator.board.size(), server.stats.requests_completed
         wait_until(lambda: server.stats.requests_completed >= served + 40)
-        assert server.coordinator.board.size() == keys
+        board = server.coordinator.board
+        assert board.size() == keys
+        queued = [board.store.queue_len(board.key("member", m, "inbox")) for m in server.coordinator.members]
+        queued.append(board.store.queue_len(board.key("run", None, "results")))
+        assert sum(queued) <= 3  # at most the clients' requests in flight: nothing consumed stays queued
         long_one = server.submit([1], 15)  # in flight for 15 steps: the drain below cannot finish in time
         with pytest.raises(ScaleError) as drained:
             server.scale(4, drain_timeout=0.001)

@@ -61,8 +61,15 @@ class Board:
         return self.store.get(key).decode()
 
     def _pop_all(self, key: str) -> list[str]:
-        """Every entry queued under ``key`` since the last pop: as many store calls as entries."""
-        return [self.store.queue_pop(key, block=False).decode() for _ in range(self.store.queue_len(key))]
+        """Every entry queued under ``key`` since the last pop: as many store calls as entries (one
+        other client popping the same queue, as a fenced member might, takes what it takes)."""
+        entries = []
+        for _ in range(self.store.queue_len(key)):
+            try:
+                entries.append(self.store.queue_pop(key, block=False).decode())
+            except dist.QueueEmptyError:
+                break
+        return entries
 
     def delete(self, *keys: str) -> None:
         for key in keys:

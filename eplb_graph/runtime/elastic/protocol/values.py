@@ -34,7 +34,6 @@ class Phase(str, Enum):
     SERVING = "serving"
     PREPARING = "preparing"  # serving, the next generation being built beside
     RECOVERING = "recovering"  # a peer was lost: building the survivors' generation
-    LEFT = "left"
 
 
 @dataclass(frozen=True)
@@ -68,8 +67,9 @@ def decode_outcome(text: str) -> Outcome:
 @dataclass(frozen=True)
 class KeepAlive:
     """One beat: ``beat`` proves the process runs; ``progress`` and ``collectives`` that its main
-    thread moves (marks, and collectives entered on the EP group); ``waiting`` that it is inside
-    a wait on its peers (a collective, the commit point), where standing still is not its fault."""
+    thread moves (marks, and collectives entered on the EP group in ``generation``, the one its
+    group serves); ``waiting`` that it is inside a wait on its peers (a collective, the commit
+    point), where standing still is not its fault."""
 
     beat: int
     progress: int
