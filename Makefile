@@ -47,9 +47,9 @@ bench: $(STAMP)
 	$(VENV)/bin/eplb-graph run --scale-plan 2,4,4 --kill 3@150 --out $(BENCH)/elastic_fault
 	$(VENV)/bin/eplb-graph run --scale-plan 2,4,4 --kill 0@150 --out $(BENCH)/elastic_fault_rank0
 	$(VENV)/bin/python benchmarks/bench_elastic_control.py --out $(BENCH)/bench_elastic_control.json
-	$(VENV)/bin/eplb-graph run --chaos 1 --out $(BENCH)/chaos_1
-	$(VENV)/bin/eplb-graph run --chaos 2 --out $(BENCH)/chaos_2
-	$(VENV)/bin/eplb-graph run --chaos 3 --out $(BENCH)/chaos_3
+	$(VENV)/bin/eplb-graph run --chaos 1 --resize-deadline 120 --out $(BENCH)/chaos_1
+	$(VENV)/bin/eplb-graph run --chaos 2 --resize-deadline 120 --out $(BENCH)/chaos_2
+	$(VENV)/bin/eplb-graph run --chaos 3 --resize-deadline 120 --out $(BENCH)/chaos_3
 
 # vLLM's control plane for the lent GPU image (no vLLM there): benchmarks/gpu_carry.py
 gpu-carry: $(STAMP)

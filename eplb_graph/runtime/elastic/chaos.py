@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eplb_graph.runtime.elastic.protocol import Phase
 from eplb_graph.runtime.elastic.server import ElasticServer, ScaleError
 
 log = logging.getLogger("eplb_graph.elastic.chaos")
@@ -131,14 +132,29 @@ class ChaosRun:
                 raise TimeoutError(f"chaos: {what} not within {timeout_s:g} s")
             time.sleep(0.05)
 
-    def _size_at_least(self, size: int) -> None:
-        if self.server.ranks < size:
-            self.server.scale(self.server.max_ranks)
+    def _size_at_least(self, size: int, tries: int = 3) -> None:
+        """Grows the group for the next fault; a resize given up (spares not warm by the deadline, a
+        fault under it) is the group's to give up: it is asked again."""
+        for attempt in range(tries):
+            if self.server.ranks >= size:
+                return
+            try:
+                self.server.scale(self.server.max_ranks)
+            except ScaleError as error:
+                if attempt == tries - 1:
+                    raise
+                log.info("chaos: growing for the next fault was given up (%s); asking again", error)
 
     def _spare(self) -> int:
-        self._wait(lambda: any(m in self.coordinator.processes.children for m in self.coordinator.spares),
-                   "a spare of ours", 120)
-        return next(m for m in self.coordinator.spares if m in self.coordinator.processes.children)
+        """A warm spare of ours (one still importing has no keep-alive yet: its bound is the start-up's)."""
+        def warm() -> list[int]:
+            with self.server.lock:
+                seen = self.coordinator.detector.seen
+                return [m for m in self.coordinator.spares if m in self.coordinator.processes.children and m in seen
+                        and seen[m].alive is not None and seen[m].alive.phase is Phase.SPARE]
+
+        self._wait(lambda: bool(warm()), "a warm spare of ours", 300)
+        return warm()[0]
 
     def play(self, action: str) -> None:
         server, coordinator = self.server, self.coordinator
@@ -170,7 +186,7 @@ class ChaosRun:
     def _during_resize(self, action: str) -> None:
         server, coordinator = self.server, self.coordinator
         if server.ranks == server.max_ranks:
-            server.scale(server.max_ranks - 1)
+            self._scale_quietly(server.max_ranks - 1)
         outcome: list = []
         thread = threading.Thread(target=lambda: outcome.append(self._scale_quietly(server.max_ranks)))
         thread.start()
@@ -243,7 +259,7 @@ def run_chaos(server: ElasticServer, seed: int, faults: int, *, clients: int = 3
         "members_lost_not_injected": [r["member"] for r in records if not r["injected"]],
         "requests_requeued": stats.requests_requeued,
         "output_mismatches": stats.output_mismatches + len(not_greedy(reference, traffic.prompts, traffic.answers)),
-        "recompiles": sum(r.get("recompiles", 0) for r in reports),
+        "recompiles": sum(r.get("recompiles", 0) for r in reports), "members_reported": len(reports),
         "detect_bound_s": detect_bound_s, "serve_bound_s": serve_bound_s,
         "detection_s_max": max((r["detection_s"] for r in records if r["detection_s"] is not None), default=None),
         "detection_to_serving_s_max": max((r["detection_to_serving_s"] for r in records
@@ -259,6 +275,8 @@ def run_chaos(server: ElasticServer, seed: int, faults: int, *, clients: int = 3
 def chaos_failures(report: dict) -> list[str]:
     problems = [f"{report[name]} {name.replace('_', ' ')}" for name in (
         "requests_unanswered", "requests_duplicated", "output_mismatches", "recompiles") if report[name]]
+    if not report["members_reported"]:  # nothing would say whether anything recompiled
+        problems.append("no member reported at the end")
     if report["members_lost_not_injected"]:  # fenced or lost with nothing done to them: a false detection
         problems.append(f"members {report['members_lost_not_injected']} lost that no fault touched")
     late = [r for r in report["records"] if not r["within_bounds"]]

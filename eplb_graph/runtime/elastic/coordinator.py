@@ -291,7 +291,12 @@ class Coordinator:
         return len(serving)
 
     def shutdown(self, grace_s: float = 30.0) -> None:
-        """Every member stops at its next step; spares leave; stragglers are killed past ``grace_s``."""
+        """Every member stops at its next step and reports; spares leave; stragglers are killed past
+        ``grace_s``. The reports that came are in ``reports``."""
         self.board.stop()
         self.release_spares()
         self.processes.stop_all(grace_s)
+        for member in list(self.roles):
+            report = self.board.take_report(member)
+            if report is not None and "error" not in report:
+                self.reports[member] = report

@@ -114,9 +114,9 @@ class MemberTransitions:
 
     def _reshuffle(self, old_size: int, new_size: int, load: torch.Tensor) -> int:
         self.reshuffling = True
-        moved = reshuffle(self.models.rank_layers, self.group.current()[0], old_size, new_size,
+        moved = reshuffle(self.models.rank_layers, self.group.process_group, old_size, new_size,
                           self.models.num_local, load, timeout_s=self.spec.timeout_s,
-                          on_layer=self.group.current).bytes_moved  # each layer's exchange counts as a collective
+                          on_collective=self.group.current).bytes_moved  # the keep-alive counts each
         self.reshuffling = False
         return moved
 

@@ -67,20 +67,22 @@ def new_placement(load: torch.Tensor, num_local: int, new_size: int) -> torch.Te
 
 def reshuffle(layers: list[RankLayer], pg: dist.ProcessGroup | None, old_size: int, new_size: int,
               num_local: int, load: torch.Tensor, *, timeout_s: float = 60.0,
-              on_layer: Callable[[], object] | None = None) -> Reshuffle:
+              on_collective: Callable[[], object] = lambda: None) -> Reshuffle:
     """Moves experts for a resize old_size -> new_size over ``pg`` (the new group scaling up,
     the old one scaling down), placed by this rank's ``load`` [L, num_logical] summed over the
-    ranks (a joiner's is zeros), then routes every layer by the new placement. ``on_layer``: as
-    each layer's exchange starts."""
+    ranks (a joiner's is zeros), then routes every layer by the new placement. ``on_collective``:
+    as each of its collectives starts (a layer's exchange is one), every rank the same."""
     from vllm.distributed.eplb.rebalance_execute import rearrange_expert_weights_inplace
 
     if pg is None:  # one rank before and after: nothing to move, and no policy run needed
         return Reshuffle(old_size, new_size, 0, 0)
     width = layers[0].tables.num_physical_experts  # num_local x max size: the tables' fixed width
     # [L, width] rank 0's: a joiner's copy dates from its prepare, and EPLB committed layers since
+    on_collective()
     old = from_rank_0(torch.stack([layer.tables.physical_to_logical for layer in layers]), pg.rank(), pg)
+    on_collective()
     new = new_placement(global_logical_load(load, pg), num_local, new_size)  # [L, num_local x new_size]
-    communicator = GlooStagedCommunicator(pg, timeout_s=timeout_s, on_execute=on_layer)
+    communicator = GlooStagedCommunicator(pg, timeout_s=timeout_s, on_execute=on_collective)
     if new_size >= old_size:  # scale up: old ranks keep their numbers, the new ones start empty
         rank_mapping = {r: r for r in range(old_size)}
     else:  # scale down: the last ranks leave

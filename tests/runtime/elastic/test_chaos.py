@@ -33,11 +33,12 @@ def test_a_token_that_is_not_the_references_greedy_choice_is_caught():
 
 def test_a_run_fails_on_anything_lost_twice_wrong_or_late():
     clean = {"requests_unanswered": 0, "requests_duplicated": 0, "output_mismatches": 0, "recompiles": 0,
-             "members_lost_not_injected": [], "records": [{"within_bounds": True}]}
+             "members_reported": 4, "members_lost_not_injected": [], "records": [{"within_bounds": True}]}
     assert chaos_failures(clean) == []
     assert chaos_failures({**clean, "requests_duplicated": 2}) == ["2 requests duplicated"]
     assert chaos_failures({**clean, "members_lost_not_injected": [5]}) == ["members [5] lost that no fault touched"]
     assert len(chaos_failures({**clean, "records": [{"within_bounds": False}]})) == 1
+    assert chaos_failures({**clean, "members_reported": 0}) == ["no member reported at the end"]
 
 
 @pytest.mark.launches
@@ -47,6 +48,7 @@ def test_one_seed_of_chaos_under_traffic_loses_and_duplicates_nothing():
     report = run_chaos(server, seed=1, faults=len(ACTIONS) - 1)
     assert report["failed"] == [], report
     assert report["faults"] >= len(ACTIONS) - 1 and report["requests_answered"] > 0
+    assert report["members_reported"] >= 2 and report["recompiles"] == 0  # the serving ones, compiled
     kinds = {record["detected_as"] for record in report["records"]}
     assert kinds == {"died", "hung"}  # kills seen as deaths; SIGSTOPs and hung main threads found by the detector
     assert all(record["injected"] for record in report["records"])
