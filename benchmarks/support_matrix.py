@@ -38,14 +38,15 @@ when the layer is built (upstream's `supports_eplb`) or bound (the view), before
 | none | `UnquantizedFusedMoEMethod` | `w13_weight`, `w2_weight` | tested |
 | `fp8` (pre-quantized checkpoint: `quant_method: fp8`) | `Fp8MoEMethod` | VNNI-packed `w13_weight`, `w2_weight`, block scales `w13_weight_scale_inv`, `w2_weight_scale_inv` | tested with `[128, 128]` blocks (DeepSeek-V3's format), the only scheme vLLM 0.32's CPU FP8 experts take (`CPUExpertsFp8._supports_quant_scheme`) |
 | `fp8_per_block` (online, from bf16) | `Fp8PerBlockOnlineMoEMethod` | as `fp8` | tested |
-| `fp8_per_tensor`, `fp8_per_channel` (online; `fp8` on a bf16 checkpoint is `fp8_per_tensor`) | `Fp8PerTensorOnlineMoEMethod`, `Fp8PtpcOnlineMoEMethod` | the weights and their scales (same check) | not runnable: vLLM 0.32's CPU build has no per-tensor / per-token FP8 quant op (`_C::static_scaled_fp8_quant() -> ()`), EPLB on or off |
+| `fp8_per_tensor`, `fp8_per_channel` (online), `fp8` on a checkpoint without FP8 weights (vLLM quantizes it online per tensor), any online MoE spec in `quantization_config` that builds these | `Fp8PerTensorOnlineMoEMethod`, `Fp8PtpcOnlineMoEMethod` | — | refused by name at start, judged by the MoE method vLLM's config builds: no view was bound to them, since vLLM 0.32's CPU build cannot load them, EPLB on or off (their FP8 quant ops have no kernel there: `_C::static_scaled_fp8_quant() -> ()`, `_C::dynamic_per_token_scaled_fp8_quant() -> ()`; `tests/vllm_plugin/test_config_gate.py` shows `fp8` on a bf16 checkpoint failing to load with EPLB off) |
 | `compressed-tensors` int4 (`pack-quantized`, W4A16 as declared) | `CompressedTensorsWNA16MoEMethod` on the CPU backend, run as W4A8 (int8 activations) | blocked int4 `w13_weight_packed`, `w2_weight_packed`, scales, the zero points created at load, `weight_shape` | tested (group 128); upstream refuses EPLB for the method, the plugin serves it on the CPU backend (`quant_methods.py`) |
 
 Not served: compressed-tensors W4A8-int8 (`CompressedTensorsW4A8Int8MoEMethod`: its CPU kernel,
 `dynamic_4bit_int_moe`, runs only on AArch64 and upstream refuses EPLB for it), and every other
 MoE quant method (refused by name). vLLM 0.32 runs its FP8 and int4 CPU MoE experts only where
-the CPU has AMX tiles; the tests admit them on the AMX-less hosts here and say what that does not
-prove (`tests/vllm_plugin/cpu_quantized_experts.py`).
+the CPU has AMX tiles; the tests admit them on AMX-less hosts with AVX-512 and AVX-512 BF16 and
+say what that does not prove, and skip, saying why, on AVX2-only hosts, whose vLLM kernel library
+has no such kernel (`tests/vllm_plugin/cpu_quantized_experts.py`).
 """
 
 ROUTER_NOTES = """\

@@ -7,7 +7,8 @@ on it:
 1. refuses, before any process starts, what eplb-graph cannot serve, naming it:
    synchronous EPLB, elastic EP (upstream runs it synchronously), dual-batch overlap,
    vllm-ascend's V1-only EPLB controls mixed with ``enable_eplb``, a quantization no viewed
-   method belongs to (asked for or found in the checkpoint), and, on CPU, expert parallel over
+   method belongs to (asked for, found in the checkpoint, or built online: ``fp8`` on a checkpoint
+   without FP8 weights is online per-tensor FP8), and, on CPU, expert parallel over
    more than one process. A quantization names a family (``compressed-tensors`` has many
    schemes): each layer's method and tensors are checked when it is built (upstream's
    ``supports_eplb``) and when the worker binds it (``expert_views``), still before serving;
@@ -22,10 +23,14 @@ from __future__ import annotations
 import copy
 import functools
 import os
+from typing import TYPE_CHECKING
 
 from eplb_graph.upstream.watchdog import stall_bound_from_env
 
-from .expert_views import SUPPORTED_QUANTIZATIONS
+from .expert_views import SUPPORTED_QUANTIZATIONS, VIEWED_MOE_METHODS
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 LEGACY_EPLB_CONTROLS = (
     "dynamic_eplb",
@@ -88,6 +93,27 @@ def quantization_problem(quantization: str | None) -> str:
     return f"quantization={quantization!r} has no expert-weight view for EPLB movement (supported: {supported})"
 
 
+def built_quantization_problem(config: VllmConfig) -> str | None:
+    """Checks the quantization vLLM built (``VllmConfig.quant_config``): the checkpoint's own
+    (``quant_method``) or an online one, whose MoE method the user's ``quantization_config`` may
+    change, and which ``fp8`` becomes on a checkpoint without FP8 weights (online per-tensor)."""
+    quantization = config.model_config.quantization if config.model_config is not None else None
+    if quantization not in SUPPORTED_QUANTIZATIONS:  # detected from the checkpoint, not the arguments
+        return quantization_problem(quantization)
+    resolve = getattr(config.quant_config, "resolve_quant_method_cls", None)  # online configs only
+    if resolve is None or config.quant_config.args.targets is not None:
+        return None  # chosen per layer: checked when each layer is bound (expert_views), before serving
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    resolved = resolve(RoutedExperts, "")  # (source, weight key, pattern, spec, method class) or None
+    if resolved is None or resolved[-1].__name__ in VIEWED_MOE_METHODS:
+        return None
+    why = " (vLLM quantizes `fp8` online when the checkpoint has no FP8 weights)" if quantization == "fp8" else ""
+    return (f"quantization={quantization!r} builds {resolved[-1].__name__} for the MoE layers (online, weights "
+            f"{resolved[1]}){why}, which has no expert-weight view for EPLB movement; online FP8 with a view: "
+            f"quantization='fp8_per_block'")
+
+
 def install_pass(compilation_config) -> None:
     """Our pass in the post-grad slot, wrapping (never replacing) a user pass there. Idempotent."""
     from .graph_pass import VllmEplbPass
@@ -106,25 +132,27 @@ def create_engine_config_with_eplb(upstream_create, engine_args, *args, **kwargs
         return upstream_create(engine_args, *args, **kwargs)  # plugin installed, EPLB off: upstream as is
     on_cpu = current_platform.is_cpu()
     check_eplb_request(engine_args, on_cpu=on_cpu)
-    requested = copy.deepcopy(engine_args.eplb_config)
     if on_cpu:
         from vllm.config.parallel import EPLBConfig
 
-        # ParallelConfig would refuse: build with EPLB off, then set the request on the result.
+        # ParallelConfig would refuse: build with EPLB off, then set a copy of the request on the result
+        # (the user's arguments are left as given, also when what follows refuses the checkpoint).
+        requested = engine_args.eplb_config
         engine_args.enable_eplb, engine_args.eplb_config = False, EPLBConfig()
         try:
             config = upstream_create(engine_args, *args, **kwargs)
         finally:
             engine_args.enable_eplb, engine_args.eplb_config = True, requested
-        if requested.communicator is None:
-            requested.communicator = "torch_gloo"  # upstream's auto-selection lives in the validator we skipped
+        eplb = copy.deepcopy(requested)
+        if eplb.communicator is None:
+            eplb.communicator = "torch_gloo"  # upstream's auto-selection lives in the validator we skipped
         config.parallel_config.enable_eplb = True
-        config.parallel_config.eplb_config = requested
+        config.parallel_config.eplb_config = eplb
     else:
         config = upstream_create(engine_args, *args, **kwargs)
-    quantization = config.model_config.quantization if config.model_config is not None else None
-    if quantization not in SUPPORTED_QUANTIZATIONS:  # detected from the checkpoint, not the arguments
-        raise EplbConfigError("eplb-graph cannot serve this EPLB request:\n  " + quantization_problem(quantization))
+    problem = built_quantization_problem(config)
+    if problem:
+        raise EplbConfigError("eplb-graph cannot serve this EPLB request:\n  " + problem)
     install_pass(config.compilation_config)
     return config
 

@@ -6,6 +6,7 @@ tests go through exactly the path a user's ``LLM(...)`` takes up to the engine c
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -104,10 +105,34 @@ def test_unsupported_combinations_are_refused_by_name_before_anything_starts(mod
     assert (args.enable_eplb, args.eplb_config) == before  # the request is left as the user gave it
 
 
-@pytest.mark.parametrize("quantization", ["fp8_per_block", "fp8_per_tensor", "fp8_per_channel"])
-def test_online_fp8_is_accepted(model_dir, quantization):
-    config = eplb_args(model_dir, quantization=quantization, dtype="bfloat16").create_engine_config()
-    assert config.parallel_config.enable_eplb and config.model_config.quantization == quantization
+def test_online_fp8_per_block_is_accepted(model_dir):
+    config = eplb_args(model_dir, quantization="fp8_per_block", dtype="bfloat16").create_engine_config()
+    assert config.parallel_config.enable_eplb and config.model_config.quantization == "fp8_per_block"
+
+
+@pytest.mark.parametrize("quantization", ["fp8_per_tensor", "fp8_per_channel"])
+def test_online_fp8_no_view_was_bound_to_is_refused_by_name(model_dir, quantization):
+    with pytest.raises(EplbConfigError, match=f"quantization='{quantization}' has no expert-weight view"):
+        eplb_args(model_dir, quantization=quantization, dtype="bfloat16").create_engine_config()
+
+
+@pytest.mark.parametrize(("quantization", "quantization_config", "built"), [
+    ("fp8", None, "Fp8PerTensorOnlineMoEMethod"),  # a bf16 checkpoint: vLLM quantizes `fp8` online per tensor
+    ("fp8_per_block", {"moe": "fp8_per_tensor"}, "Fp8PerTensorOnlineMoEMethod"),  # the user's MoE spec wins
+])
+def test_online_fp8_is_judged_by_the_moe_method_vllm_builds(model_dir, quantization, quantization_config, built):
+    args = eplb_args(model_dir, quantization=quantization, quantization_config=quantization_config, dtype="bfloat16")
+    before = copy.deepcopy(args.eplb_config)
+    with pytest.raises(EplbConfigError, match=rf"quantization='{quantization}' builds {built} for the MoE layers "
+                                              rf"\(online, weights fp8_per_tensor_static\).* has no expert-weight view"):
+        args.create_engine_config()
+    assert args.enable_eplb and args.eplb_config == before  # the request is left as the user gave it
+
+
+def test_fp8_with_a_per_block_moe_spec_builds_a_viewed_method_and_is_accepted(model_dir):
+    config = eplb_args(model_dir, quantization="fp8", quantization_config={"moe": "fp8_per_block", "linear": "fp8_per_block"},
+                       dtype="bfloat16").create_engine_config()
+    assert config.parallel_config.enable_eplb and config.model_config.quantization == "fp8"
 
 
 def test_a_checkpoints_own_quantization_is_checked_accepted_or_refused_by_name(tmp_path):
@@ -116,8 +141,11 @@ def test_a_checkpoints_own_quantization_is_checked_accepted_or_refused_by_name(t
     assert eplb_args(str(fp8), dtype="bfloat16").create_engine_config().model_config.quantization == "fp8"
     awq = write_tiny_qwen3_moe(tmp_path / "awq", quantization_config={
         "quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"})
+    args = eplb_args(str(awq), dtype="bfloat16")
+    before = copy.deepcopy(args.eplb_config)
     with pytest.raises(EplbConfigError, match="quantization='awq' has no expert-weight view"):
-        eplb_args(str(awq), dtype="bfloat16").create_engine_config()
+        args.create_engine_config()
+    assert args.enable_eplb and args.eplb_config == before  # the request is left as the user gave it
 
 
 def test_a_stall_bound_that_is_not_one_is_refused_at_engine_start_naming_the_variable(model_dir, monkeypatch):
@@ -142,3 +170,23 @@ def test_without_the_plugin_vllm_refuses_eplb_on_cpu(model_dir):
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert "REFUSED" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "only supported on CUDA" in out.stdout
+
+
+@pytest.mark.launches
+def test_vllms_cpu_build_cannot_load_online_per_tensor_fp8_with_eplb_off_either(model_dir):
+    """Why no view of online per-tensor FP8 was bound here: upstream alone, EPLB off, fails at load
+    (its per-tensor FP8 quant op is registered without a kernel in the CPU build)."""
+    script = (
+        "import os\n"
+        "os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'\n"
+        "from vllm import LLM\n"
+        "try:\n"
+        f"    LLM(model={model_dir!r}, skip_tokenizer_init=True, load_format='dummy', dtype='bfloat16',"
+        " max_model_len=128, quantization='fp8', enforce_eager=True)\n"
+        "except Exception as error:\n    print('FAILED', type(error).__name__, error)\n"
+        "else:\n    print('LOADED')\n"
+    )
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert "FAILED" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "_C::static_scaled_fp8_quant()" in out.stdout + out.stderr, out.stderr[-3000:]  # the op, with no arguments

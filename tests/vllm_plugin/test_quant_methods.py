@@ -29,6 +29,18 @@ def test_the_cpu_backend_supports_eplb_and_the_others_keep_upstreams_answer():
     assert method_on("MARLIN").supports_eplb is False and method_on("ZEN_CPU").supports_eplb is False
 
 
+def test_w4a8_int8_keeps_upstreams_refusal():
+    """Its CPU kernel runs on AArch64 only and no view of it was bound: upstream's layer build
+    refuses EPLB for it by name (``supports_eplb`` False), with the plugin's hooks installed."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_w4a8_int8 as w4a8,
+    )
+
+    quant_methods.install_quant_method_hooks()
+    method = object.__new__(w4a8.CompressedTensorsW4A8Int8MoEMethod)
+    assert method.supports_eplb is False
+
+
 def test_an_upstream_refactor_of_the_property_is_named_and_left_alone():
     """With EPLB off too the module imports as upstream's; with EPLB on upstream refuses the method."""
     stand_in = types.ModuleType(quant_methods.WNA16_MODULE)
