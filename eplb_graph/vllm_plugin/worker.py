@@ -11,13 +11,15 @@ forward, ``eplb_step`` after). This object only connects the boundaries:
   (invariants 3, 6);
 * every MoE layer becomes a ``VllmMoELayer`` mapped by exactly one mechanism, and its experts'
   storage is proven to be what upstream moves (``expert_views``: quantized kernels included);
-* ``verify_mapping`` checks after warm-up that each layer was routed by its mechanism;
+* ``verify_mapping`` checks after warm-up that each layer was routed by its mechanism, and
+  ``CompileWatch`` warns of any model graph compiled after it (``compile_watch``);
 * a dead async worker is raised on the runner's next EPLB step instead of silently
   leaving EPLB off.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -26,6 +28,7 @@ from eplb_graph.upstream.binding import UpstreamBinding
 from eplb_graph.upstream.watchdog import stall_bound_from_env
 
 from . import router_adapter
+from .compile_watch import CompileWatch
 from .expert_views import ExpertWeightView, complete_move_list
 from .layers import GRAPH_PASS, ROUTER_ADAPTER, VllmMoELayer
 
@@ -126,6 +129,10 @@ class VllmEplbWorker:
                     router_adapter.bind_router(moe_runner.router, layer.key)
                 layers.append(layer)
             self.binding.bind(model, layers)
+        # it counts graphs our pass rewrote: nothing to watch where no layer is mapped by the pass
+        self.compile_watch: CompileWatch | None = None
+        if any(layer.mapped_by == GRAPH_PASS for layer in self.layers):
+            self.compile_watch = CompileWatch(lambda: sum(layer.graph_mappings for layer in self.layers), vllm_logger())
         self._wrap_runner_steps()
         if self.built_upstream_state and runner.eplb_state.is_async:
             runner.eplb_state.start_async_loop()
@@ -151,6 +158,11 @@ class VllmEplbWorker:
         def eplb_step(*args, **kwargs):
             upstream_step(*args, **kwargs)
             self.check_worker()
+            if self.compile_watch is not None:
+                is_dummy = kwargs.get("is_dummy", args[0] if args else False)  # eplb_step(is_dummy, is_profile)
+                if not is_dummy:
+                    self.compile_watch.start(after="the first real step")  # where no warm-up hook started it
+                self.compile_watch.check()
             in_flight = any(state.rebalanced for state in runner.eplb_state.model_states.values())
             self.binding.after_step(in_flight=in_flight, where=f"of vLLM runner on {runner.device}")
 
@@ -159,6 +171,8 @@ class VllmEplbWorker:
             def warming_up_model(*args, **kwargs):
                 result = upstream_warm_up(*args, **kwargs)
                 self.verify_mapping(require_calls=True)  # warm-up ran the compiled graph
+                if self.compile_watch is not None:
+                    self.compile_watch.start(after="the end of warm-up")
                 return result
 
             runner.warming_up_model = warming_up_model
@@ -194,16 +208,22 @@ class VllmEplbWorker:
             "rearrangement_stalls": self.binding.rearrangement_stalls,
             "worker_error": None if self.binding.worker_error is None else repr(self.binding.worker_error),
             "built_upstream_state": self.built_upstream_state,
+            # None: no layer mapped by the pass, or not started
+            "graphs_compiled_while_serving": self.compile_watch and self.compile_watch.since_start(),
             "expert_views": {name: view.summary() for name, view in self.expert_views.items()},
             # tokens per physical expert upstream holds in its window (what the policy sees)
             "load_window_total": sum(int(s.expert_load_window.sum()) for s in self.runner.eplb_state.model_states.values()),
         }
 
 
-def log_active(worker: VllmEplbWorker) -> str:
-    """One line in vLLM's log per worker: eplb-graph took effect, how each layer is mapped, what records load."""
+def vllm_logger() -> logging.Logger:
     from vllm.logger import init_logger
 
+    return init_logger("vllm.eplb_graph")  # under "vllm.": vLLM's handler and format
+
+
+def log_active(worker: VllmEplbWorker) -> str:
+    """One line in vLLM's log per worker: eplb-graph took effect, how each layer is mapped, what records load."""
     eplb = worker.runner.parallel_config.eplb_config
     mechanisms = ", ".join(f"{layer.key}: {layer.mapped_by}" for layer in worker.layers)
     moved = {", ".join([*view.moved, *view.derived]) for view in worker.expert_views.values()}
@@ -215,5 +235,5 @@ def log_active(worker: VllmEplbWorker) -> str:
         f"{'async' if eplb.use_async else 'sync'} EPLB through {', '.join(sorted(movers))}; each expert moves with "
         f"{' | '.join(sorted(moved))}"
     )
-    init_logger("vllm.eplb_graph").info(line)  # under "vllm.": vLLM's handler and format
+    vllm_logger().info(line)
     return line

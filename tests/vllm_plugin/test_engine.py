@@ -104,6 +104,8 @@ def test_zero_recompiles_after_warm_up(runs):
         assert runs[name]["recompiles_after_warm_up"] == 0, name
         assert runs[name]["pass_runs_after_warm_up"] == 0, name
     assert runs["compiled_on"]["dynamo_graphs"] == runs["compiled_off"]["dynamo_graphs"]
+    # the worker's own count, from the end of its warm-up (what it would log: compile_watch.py)
+    assert runs["compiled_on"]["eplb"]["graphs_compiled_while_serving"] == 0
 
 
 def test_eager_mode_routes_through_the_router_adapter(runs):

@@ -1,14 +1,15 @@
 """vLLM's OpenAI server with the plugin, started exactly as docs/quickstart-hf.md says, on a local
-random checkpoint with a tokenizer: completions equal EPLB off, and each worker logs that
-graph-mode EPLB is active. Two servers (EPLB on and off) start side by side; then two more on
-the quickstart's FP8 checkpoint and two on its int4 one, through ``lifted_api_server`` (vLLM's
-quantized CPU experts admitted on this AMX-less CPU, cpu_quantized_experts.py) at
-EXACT_TOKENS_PER_EXPERT tokens a step."""
+random checkpoint with a tokenizer: completions equal EPLB off, each worker logs that graph-mode
+EPLB is active, and no model graph is compiled while serving. Two servers (EPLB on and off) start
+side by side; then two more on the quickstart's FP8 checkpoint and two on its int4 one, through
+``lifted_api_server`` (vLLM's quantized CPU experts admitted on this AMX-less CPU,
+cpu_quantized_experts.py) at EXACT_TOKENS_PER_EXPERT tokens a step."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -185,6 +186,23 @@ def test_completions_are_identical_with_eplb_on_and_off(request, pair):
         assert len(texts(on["quickstart"])[0].split()) == 16
     assert [texts(r) for r in on["longer"]] == [texts(r) for r in off["longer"]]
     assert len({word for r in off["longer"] for text in texts(r) for word in text.split()}) >= 20
+
+
+WATCHING = re.compile(r"eplb-graph: watching for compiles from the end of warm-up on \(the EPLB pass rewrote (\d+) graphs")
+
+
+@pytest.mark.parametrize("pair", ["servers", pytest.param("fp8_servers", marks=needs_quantized_kernels),
+                                  pytest.param("int4_servers", marks=needs_quantized_kernels)])
+def test_no_model_graph_is_compiled_while_serving(request, pair):
+    """The worker starts watching at the end of warm-up and logs any model graph compiled after
+    it, while EPLB rearranges (compile_watch.py)."""
+    log = request.getfixturevalue(pair)["on"]["log"]
+    watching = list(WATCHING.finditer(log))
+    assert len(watching) == 1, log[-4000:]
+    assert int(watching[0][1]) >= 2  # compiled at warm-up: the pass mapped both MoE layers
+    serving = log[watching[0].end():]
+    assert serving.count("Rearranging experts (async mode) ...") >= 3  # upstream rearranged while it watched
+    assert "compiled while serving" not in log
 
 
 def test_each_worker_logs_that_graph_mode_eplb_is_active_and_upstream_rearranged(servers):
