@@ -101,8 +101,10 @@ def built_quantization_problem(config: VllmConfig) -> str | None:
     if quantization not in SUPPORTED_QUANTIZATIONS:  # detected from the checkpoint, not the arguments
         return quantization_problem(quantization)
     resolve = getattr(config.quant_config, "resolve_quant_method_cls", None)  # online configs only
-    if resolve is None or config.quant_config.args.targets is not None:
-        return None  # chosen per layer: checked when each layer is bound (expert_views), before serving
+    if resolve is None or config.quant_config.args.targets is not None or config.quant_config.ignored_layers:
+        # chosen by layer name (targets, or ignore patterns that may cover the experts): checked
+        # when each layer is bound (expert_views), still before serving
+        return None
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
     resolved = resolve(RoutedExperts, "")  # (source, weight key, pattern, spec, method class) or None

@@ -129,8 +129,12 @@ def test_online_fp8_is_judged_by_the_moe_method_vllm_builds(model_dir, quantizat
     assert args.enable_eplb and args.eplb_config == before  # the request is left as the user gave it
 
 
-def test_fp8_with_a_per_block_moe_spec_builds_a_viewed_method_and_is_accepted(model_dir):
-    config = eplb_args(model_dir, quantization="fp8", quantization_config={"moe": "fp8_per_block", "linear": "fp8_per_block"},
+@pytest.mark.parametrize("quantization_config", [
+    {"moe": "fp8_per_block", "linear": "fp8_per_block"},  # builds a viewed method
+    {"ignore": ["*experts*"]},  # the experts' method depends on their names: checked when each layer is bound
+])
+def test_fp8_online_is_accepted_where_the_moe_method_is_viewed_or_chosen_per_layer(model_dir, quantization_config):
+    config = eplb_args(model_dir, quantization="fp8", quantization_config=quantization_config,
                        dtype="bfloat16").create_engine_config()
     assert config.parallel_config.enable_eplb and config.model_config.quantization == "fp8"
 
