@@ -153,8 +153,9 @@ class ChaosRun:
                 return [m for m in self.coordinator.spares if m in self.coordinator.processes.children and m in seen
                         and seen[m].alive is not None and seen[m].alive.phase is Phase.SPARE]
 
-        self._wait(lambda: bool(warm()), "a warm spare of ours", 300)
-        return warm()[0]
+        found: list[int] = []
+        self._wait(lambda: found.extend(warm()) or found, "a warm spare of ours", 300)
+        return found[0]  # read once: a spare lost between two reads is not returned
 
     def play(self, action: str) -> None:
         server, coordinator = self.server, self.coordinator

@@ -121,6 +121,10 @@ def observe(seen: Seen, alive: KeepAlive | None, now: float) -> None:
     seen.alive = alive
 
 
+# "behind" and "stuck" wait this many hang bounds: a waiter is slower to judge than a silent member
+BEHIND_HANG_BOUNDS = 2
+
+
 def waiting_still(s: Seen, now: float, hang_s: float) -> bool:
     """Waiting on its peers and not moving for ``hang_s``."""
     return s.alive.waiting and now - s.moved_s > hang_s
@@ -142,7 +146,7 @@ def hung_members(seen: dict[int, Seen], serving: tuple[int, ...], now: float, ha
             hung[member] = f"still starting after {now - s.moved_s:.0f} s (bound {startup_s:g} s)"
     peers = {m: seen[m] for m in serving if m in seen and m not in hung and seen[m].alive is not None}
     for member, s in peers.items():
-        if not (waiting_still(s, now, 2 * hang_s) and now - s.beat_s < hang_s / 2):
+        if not (waiting_still(s, now, BEHIND_HANG_BOUNDS * hang_s) and now - s.beat_s < hang_s / 2):
             continue
         same = [p for m, p in peers.items() if m != member and p.alive.generation == s.alive.generation]
         most = max((p.alive.collectives for p in same), default=0)  # collectives count from the generation's start
@@ -175,7 +179,8 @@ class FailureDetector:
             observe(s, self.board.keep_alive(member), now)
         hung = hung_members(self.seen, serving, now, self.hang_s, self.startup_s)
         group = [self.seen[m] for m in serving if m in self.seen and self.seen[m].alive is not None]
-        stuck = len(group) == len(serving) > 1 and not hung and all(waiting_still(s, now, 2 * self.hang_s) for s in group)
+        stuck = len(group) == len(serving) > 1 and not hung and all(
+            waiting_still(s, now, BEHIND_HANG_BOUNDS * self.hang_s) for s in group)
         if stuck and self._stuck_logged is None:
             self._stuck_logged = now
             log.error("members %s all wait in one collective, none behind: left to its timeout", list(serving))

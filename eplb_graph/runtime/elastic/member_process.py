@@ -70,7 +70,11 @@ class ElasticMember(MemberTransitions):
             self._warm_up()
         if offer:
             self.board.offer(member, socket.gethostname(), os.getpid())
-        self.join(self._wait_for_assignment() if first_generation is None else first_generation)
+        try:
+            self.join(self._wait_for_assignment() if first_generation is None else first_generation)
+        except Leaving:
+            self.alive.stop()  # not needed, or its resize given up: no keep-alive outlives it
+            raise
 
     def _wait_for_assignment(self) -> int:
         """A warm spare waits for the generation it is to join, as long as the run lasts."""
@@ -83,7 +87,6 @@ class ElasticMember(MemberTransitions):
             if value is not None:
                 return value
             time.sleep(POLL_S)
-        self.alive.stop()
         raise Leaving(f"spare member {self.member} was not needed")
 
     def join(self, index: int) -> None:
@@ -115,7 +118,6 @@ class ElasticMember(MemberTransitions):
                 time.sleep(POLL_S)
             if act is Act.LEAVE:
                 self.group.abandon_standby()
-                self.alive.stop()
                 raise Leaving(f"member {self.member}: the resize to generation {index} was given up")
             if act is Act.SWITCHED:
                 break

@@ -66,8 +66,7 @@ def _child(member: int, spec: ElasticSpec, first_generation: int | None) -> None
     # the interpreter's exit handlers (multiprocessing's unregister this process's semaphores), then
     # out: not the teardown of native threads a group given up may still block in (it aborts the
     # process), nor the last collection over torch's and vLLM's objects
-    atexit._run_exitfuncs()
-    logging.shutdown()
+    atexit._run_exitfuncs()  # logging's shutdown is one of them
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

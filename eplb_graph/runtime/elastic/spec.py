@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from eplb_graph.runtime.config import RunConfig
+from eplb_graph.runtime.elastic.liveness import BEHIND_HANG_BOUNDS
 from eplb_graph.runtime.elastic.protocol import Board
 
 
@@ -51,7 +52,7 @@ class ElasticSpec:
     def detection_bound_s(self) -> float:
         """How long a loss may take to be known: the failure detector's longest rule ("behind",
         twice ``hang_s``), a keep-alive late by a beat, and the coordinator's look."""
-        return 2 * self.hang_s + 2 * self.beat_s + 2.0
+        return BEHIND_HANG_BOUNDS * self.hang_s + 2 * self.beat_s + 2.0
 
     @property
     def group_name(self) -> str:
