@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 
 class CompileWatch:
-    """Counts, from the end of warm-up, model graphs our pass rewrote; warns at each new one."""
+    """Counts, from the end of warm-up, layer mappings our pass made; warns at each new compile."""
 
     def __init__(self, count: Callable[[], int], logger: logging.Logger) -> None:
-        self.count = count  # graphs our pass rewrote so far, summed over layers
+        self.count = count  # MoE layers our pass mapped in compiled graphs so far (a graph with two counts two)
         self.logger = logger
         self.at_start: int | None = None  # None: warming up, compiles expected
         self.seen: int | None = None
@@ -33,11 +33,11 @@ class CompileWatch:
         if self.at_start is not None:
             return
         self.at_start = self.seen = self.count()
-        self.logger.info("eplb-graph: watching for compiles from %s on (the EPLB pass rewrote %d graphs before)",
-                         after, self.at_start)
+        self.logger.info("eplb-graph: watching for compiles from %s on (the EPLB pass made %d layer mappings "
+                         "before)", after, self.at_start)
 
     def since_start(self) -> int | None:
-        """Graphs rewritten since the watch started; None before it started."""
+        """Layer mappings since the watch started; None before it started."""
         return None if self.at_start is None else self.count() - self.at_start
 
     def check(self) -> int | None:
@@ -48,6 +48,6 @@ class CompileWatch:
         if now == self.seen:
             return None
         self.seen = now
-        self.logger.warning("eplb-graph: %d model graphs compiled while serving, rewritten by the EPLB pass since "
-                            "warm-up (a shape or value froze into a compiled graph)", now - self.at_start)
+        self.logger.warning("eplb-graph: a model graph was compiled while serving: %d layer mappings by the EPLB "
+                            "pass since warm-up (a shape or value froze into a compiled graph)", now - self.at_start)
         return now - self.at_start

@@ -107,13 +107,18 @@ def built_quantization_problem(config: VllmConfig) -> str | None:
         return None
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-    resolved = resolve(RoutedExperts, "")  # (source, weight key, pattern, spec, method class) or None
-    if resolved is None or resolved[-1].__name__ in VIEWED_MOE_METHODS:
+    resolved = resolve(RoutedExperts, "")
+    if resolved is None:  # the MoE layers stay unquantized
+        return None
+    _source, weights, _pattern, _spec, method = resolved
+    if method.__name__ in VIEWED_MOE_METHODS:
         return None
     why = " (vLLM quantizes `fp8` online when the checkpoint has no FP8 weights)" if quantization == "fp8" else ""
-    return (f"quantization={quantization!r} builds {resolved[-1].__name__} for the MoE layers (online, weights "
-            f"{resolved[1]}){why}, which has no expert-weight view for EPLB movement; online FP8 with a view: "
-            f"quantization='fp8_per_block'")
+    viewed_online = [repr(name) for method_name, names in VIEWED_MOE_METHODS.items() if "Online" in method_name
+                     for name in names]
+    return (f"quantization={quantization!r} builds {method.__name__} for the MoE layers (online, weights "
+            f"{weights}){why}, which has no expert-weight view for EPLB movement; online quantization with a "
+            f"view: quantization={' or '.join(viewed_online)}")
 
 
 def install_pass(compilation_config) -> None:

@@ -129,10 +129,11 @@ class VllmEplbWorker:
                     router_adapter.bind_router(moe_runner.router, layer.key)
                 layers.append(layer)
             self.binding.bind(model, layers)
-        # it counts graphs our pass rewrote: nothing to watch where no layer is mapped by the pass
+        # it counts our pass's mappings: nothing to watch where no layer is mapped by the pass
+        watched = [layer for layer in self.layers if layer.mapped_by == GRAPH_PASS]
         self.compile_watch: CompileWatch | None = None
-        if any(layer.mapped_by == GRAPH_PASS for layer in self.layers):
-            self.compile_watch = CompileWatch(lambda: sum(layer.graph_mappings for layer in self.layers), vllm_logger())
+        if watched:
+            self.compile_watch = CompileWatch(lambda: sum(layer.graph_mappings for layer in watched), vllm_logger())
         self._wrap_runner_steps()
         if self.built_upstream_state and runner.eplb_state.is_async:
             runner.eplb_state.start_async_loop()

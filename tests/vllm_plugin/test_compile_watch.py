@@ -20,7 +20,7 @@ class Rewrites:
 def test_compiles_before_the_start_are_expected_and_later_ones_are_counted_and_warned_once_each(caplog):
     rewrites = Rewrites()
     watch = CompileWatch(rewrites, logging.getLogger("test.compile_watch"))
-    rewrites.now = 2  # warm-up: our pass rewrote the model's graph for two layers
+    rewrites.now = 2  # warm-up: our pass mapped the model graph's two MoE layers
     assert watch.check() is None and watch.since_start() is None
     with caplog.at_level(logging.INFO, logger="test.compile_watch"):
         watch.start(after="the end of warm-up")
@@ -33,9 +33,10 @@ def test_compiles_before_the_start_are_expected_and_later_ones_are_counted_and_w
         assert watch.check() == 4 and watch.since_start() == 4
     messages = [(record.levelname, record.getMessage()) for record in caplog.records]
     assert messages == [
-        ("INFO", "eplb-graph: watching for compiles from the end of warm-up on (the EPLB pass rewrote 2 graphs before)"),
-        ("WARNING", "eplb-graph: 2 model graphs compiled while serving, rewritten by the EPLB pass since warm-up "
-                    "(a shape or value froze into a compiled graph)"),
-        ("WARNING", "eplb-graph: 4 model graphs compiled while serving, rewritten by the EPLB pass since warm-up "
-                    "(a shape or value froze into a compiled graph)"),
+        ("INFO", "eplb-graph: watching for compiles from the end of warm-up on (the EPLB pass made 2 layer mappings "
+                 "before)"),
+        ("WARNING", "eplb-graph: a model graph was compiled while serving: 2 layer mappings by the EPLB pass since "
+                    "warm-up (a shape or value froze into a compiled graph)"),
+        ("WARNING", "eplb-graph: a model graph was compiled while serving: 4 layer mappings by the EPLB pass since "
+                    "warm-up (a shape or value froze into a compiled graph)"),
     ]

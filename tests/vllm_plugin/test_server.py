@@ -188,7 +188,8 @@ def test_completions_are_identical_with_eplb_on_and_off(request, pair):
     assert len({word for r in off["longer"] for text in texts(r) for word in text.split()}) >= 20
 
 
-WATCHING = re.compile(r"eplb-graph: watching for compiles from the end of warm-up on \(the EPLB pass rewrote (\d+) graphs")
+WATCHING = re.compile(r"eplb-graph: watching for compiles from the end of warm-up on \(the EPLB pass made (\d+) "
+                      r"layer mappings")
 
 
 @pytest.mark.parametrize("pair", ["servers", pytest.param("fp8_servers", marks=needs_quantized_kernels),
