@@ -3,61 +3,74 @@
 vLLM 0.32 serves quantized MoE on CPU with ``CPUExpertsFp8`` (FP8 W8A16, [128, 128] blocks) and
 ``CPUExpertsInt4`` (int4 weights, run as W4A8), which it admits only where the CPU has AMX tiles
 (Sapphire Rapids and newer). Hosts with AVX-512 and AVX-512 BF16 but no AMX compute both kernels
-(``_C.fused_experts_cpu``) on their AVX-512 path (elsewhere vLLM's build has no such kernel, and
-the tests that need one skip, saying so: ``needs_quantized_kernels``): ``test_cpu_quantized_kernels.py``
-checks them against a dequantized reference, and checks the premise of the exact on/off
-comparisons: a token's row is the same in any batch where its expert gets at most
-``EXACT_TOKENS_PER_EXPERT`` tokens (the engines here run that many tokens per step).
+(``_C.fused_experts_cpu``) on their AVX-512 path; elsewhere vLLM's build has no such kernel, and
+the tests run on torch stand-ins of it (cpu_kernel_stand_ins.py says what they do not prove).
+``test_cpu_quantized_kernels.py`` checks the kernels in use against a dequantized reference, and
+checks the premise of the exact on/off comparisons: a token's row is the same in any batch where
+its expert gets at most ``EXACT_TOKENS_PER_EXPERT`` tokens (the engines here run that many
+tokens per step).
 
 ``lift_if_asked`` lifts the gate for those experts classes only -- lifting
 ``torch.cpu._is_amx_tile_supported`` would make CPU attention execute AMX instructions (SIGILL)
--- in every process of an engine: the variable is inherited, and each entry script calls it at
-import, which a spawned engine core repeats (it imports its parent's main module). What this
-does not prove: vLLM's AMX code path of the same kernels.
+-- and registers the stand-ins where the kernels are missing, in every process of an engine:
+the variable is inherited, and each entry script calls it at import, which a spawned engine core
+repeats (it imports its parent's main module). What this does not prove: vLLM's AMX code path
+of the same kernels.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
-import pytest
 import torch
+
+from tests.vllm_plugin.cpu_kernel_stand_ins import StandInKernels
 
 LIFT_ENV = "EPLB_GRAPH_TESTS_LIFT_AMX_GATE"
 EXACT_TOKENS_PER_EXPERT = 4
 LIFTED_EXPERTS = ("CPUExpertsFp8", "CPUExpertsInt4")
+QUANTIZED_KERNEL_OPS = ("fused_experts_cpu", "convert_weight_packed", "convert_weight_packed_scale_zp")
 
 
-def missing_quantized_kernels() -> str | None:
-    """Why vLLM's quantized CPU MoE kernels cannot run on this host, or None. vLLM's x86 build
-    loads the library that holds them (``vllm._C``) only where the CPU has AVX-512 and AVX-512
-    BF16; elsewhere it loads ``_C_AVX2`` or ``_C_AVX512``, without them."""
-    try:
-        import vllm._custom_ops  # noqa: F401  (loads the kernel library this CPU takes)
-    except ImportError as error:
-        return f"vLLM's kernels do not import: {error}"
-    missing = [op for op in ("fused_experts_cpu", "convert_weight_packed", "convert_weight_packed_scale_zp")
-               if not hasattr(torch.ops._C, op)]
-    if not missing:
-        return None
-    isa = "AVX-512 and AVX-512 BF16" if torch.cpu._is_avx512_supported() else "AVX2 only"
-    return (f"this CPU ({isa}) loads a vLLM kernel library without {', '.join(missing)}: vLLM's quantized CPU "
-            f"MoE runs only where the CPU has AVX-512 and AVX-512 BF16")
+def missing_quantized_kernels() -> list[str]:
+    """The quantized CPU MoE ops this host's vLLM build lacks. vLLM's x86 build loads the library
+    that holds them (``vllm._C``) only where the CPU has AVX-512 and AVX-512 BF16; elsewhere it
+    loads ``_C_AVX2`` or ``_C_AVX512``, without them."""
+    import vllm._custom_ops  # noqa: F401  (loads the kernel library this CPU takes)
+
+    return [op for op in QUANTIZED_KERNEL_OPS if not hasattr(torch.ops._C, op)]
 
 
-# on the tests of quantized experts: they skip, saying why, where the kernels are not in this CPU's build
-needs_quantized_kernels = pytest.mark.skipif(missing_quantized_kernels() is not None,
-                                             reason=str(missing_quantized_kernels()))
+def kernels_in_use() -> str:
+    """'vllm' where this host runs vLLM's own quantized kernels, 'stand-ins' where the tests register
+    ours (asked in a process that has registered none)."""
+    return "stand-ins" if missing_quantized_kernels() else "vllm"
+
+
+@functools.cache
+def stand_ins_for_this_process() -> StandInKernels | None:
+    """The stand-ins an engine process runs on, registered once and held for the process's life."""
+    missing = missing_quantized_kernels()
+    return StandInKernels(missing) if missing else None
+
+
+def kernels_report() -> dict:
+    """What this process's quantized experts ran on: vLLM's kernels, or the stand-ins and their calls."""
+    stand_ins = stand_ins_for_this_process()
+    return {"kernels": "vllm"} if stand_ins is None else {"kernels": "stand-ins", "calls": dict(stand_ins.calls)}
 
 
 def lift_if_asked() -> bool:
-    """Admits vLLM's quantized CPU experts on this CPU if the environment asks and vLLM's gate refuses them."""
+    """Admits vLLM's quantized CPU experts on this CPU if the environment asks and vLLM's gate
+    refuses them, on the stand-ins where its build lacks the kernels."""
     if os.environ.get(LIFT_ENV) != "1" or torch.cpu._is_amx_tile_supported():
         return False
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
 
     for name in LIFTED_EXPERTS:
         getattr(cpu_moe, name)._supports_current_device = staticmethod(lambda: True)
+    stand_ins_for_this_process()
     return True
 
 

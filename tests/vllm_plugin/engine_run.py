@@ -22,7 +22,12 @@ import os
 import sys
 import tempfile
 
-from tests.vllm_plugin.cpu_quantized_experts import EXACT_TOKENS_PER_EXPERT, LIFT_ENV, lift_if_asked
+from tests.vllm_plugin.cpu_quantized_experts import (
+    EXACT_TOKENS_PER_EXPERT,
+    LIFT_ENV,
+    kernels_report,
+    lift_if_asked,
+)
 
 lift_if_asked()  # at import: a spawned engine core imports this script too
 
@@ -99,6 +104,7 @@ def main() -> int:
     outputs = llm.generate(prompts, sampling, use_tqdm=False)
     result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "quantized_kernels": kernels_report() if quantized else None,
         "enable_eplb": runner.parallel_config.enable_eplb,
         # Dynamo graphs compiled during generation, and graphs our pass rewrote during it
         "recompiles_after_warm_up": counters["stats"]["unique_graphs"] - dynamo_graphs_after_warm_up,

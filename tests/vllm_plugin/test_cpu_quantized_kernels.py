@@ -1,7 +1,10 @@
-"""The premises of the quantized engine tests, on vLLM's own CPU MoE kernels (no engine): each
-computes its format on this CPU (against a dequantized reference), and a token's row does not
-depend on the batch while its expert gets at most EXACT_TOKENS_PER_EXPERT tokens -- which replica
-of an expert a token reaches included."""
+"""The premises of the quantized engine tests, on the CPU MoE kernels the engines run here (no
+engine): vLLM's own where its build has them, the stand-ins elsewhere (cpu_kernel_stand_ins.py).
+Each computes its format (against a dequantized reference) from weights packed by vLLM's own
+load-time code, and a token's row does not depend on the batch while its expert gets at most
+EXACT_TOKENS_PER_EXPERT tokens -- which replica of an expert a token reaches included (on the
+stand-ins, which compute each token alone, that holds by construction; the replica test still
+checks that each slot reads its own slabs)."""
 
 from __future__ import annotations
 
@@ -17,13 +20,22 @@ from tests.vllm_plugin.cpu_quantized_experts import (  # noqa: E402
     EXACT_TOKENS_PER_EXPERT,
     cpu_experts,
     int4_blocked_for_cpu,
-    needs_quantized_kernels,
+    missing_quantized_kernels,
     packed_for_cpu,
 )
-
-pytestmark = needs_quantized_kernels
+from tests.vllm_plugin.cpu_kernel_stand_ins import StandInKernels  # noqa: E402
 
 E, H, I, K = 8, 128, 128, 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    """Registers the stand-ins for this module only, where vLLM's build lacks the kernels."""
+    missing = missing_quantized_kernels()
+    stand_ins = StandInKernels(missing) if missing else None
+    yield
+    if stand_ins is not None:
+        stand_ins.close()
 
 
 def stacked(quantize, w: torch.Tensor) -> list[torch.Tensor]:

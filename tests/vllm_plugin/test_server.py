@@ -2,8 +2,9 @@
 random checkpoint with a tokenizer: completions equal EPLB off, each worker logs that graph-mode
 EPLB is active, and no model graph is compiled while serving. Two servers (EPLB on and off) start
 side by side; then two more on the quickstart's FP8 checkpoint and two on its int4 one, through
-``lifted_api_server`` (vLLM's quantized CPU experts admitted on this AMX-less CPU,
-cpu_quantized_experts.py) at EXACT_TOKENS_PER_EXPERT tokens a step."""
+``lifted_api_server`` (vLLM's quantized CPU experts admitted on this AMX-less CPU, on the
+kernels' stand-ins where vLLM's build lacks them: cpu_quantized_experts.py) at
+EXACT_TOKENS_PER_EXPERT tokens a step."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.eplb_graph.quickstart_blocks import quickstart_blocks
-from tests.vllm_plugin.cpu_quantized_experts import EXACT_TOKENS_PER_EXPERT, LIFT_ENV, needs_quantized_kernels
+from tests.vllm_plugin.cpu_quantized_experts import EXACT_TOKENS_PER_EXPERT, LIFT_ENV
 
 pytest.importorskip("vllm")
 
@@ -177,8 +178,7 @@ def texts(response: dict) -> list[str]:
     return [choice["text"] for choice in response["choices"]]
 
 
-@pytest.mark.parametrize("pair", ["servers", pytest.param("fp8_servers", marks=needs_quantized_kernels),
-                                  pytest.param("int4_servers", marks=needs_quantized_kernels)])
+@pytest.mark.parametrize("pair", ["servers", "fp8_servers", "int4_servers"])
 def test_completions_are_identical_with_eplb_on_and_off(request, pair):
     on, off = (request.getfixturevalue(pair)[name] for name in ("on", "off"))
     assert texts(on["quickstart"]) == texts(off["quickstart"])
@@ -192,8 +192,7 @@ WATCHING = re.compile(r"eplb-graph: watching for compiles from the end of warm-u
                       r"layer mappings")
 
 
-@pytest.mark.parametrize("pair", ["servers", pytest.param("fp8_servers", marks=needs_quantized_kernels),
-                                  pytest.param("int4_servers", marks=needs_quantized_kernels)])
+@pytest.mark.parametrize("pair", ["servers", "fp8_servers", "int4_servers"])
 def test_no_model_graph_is_compiled_while_serving(request, pair):
     """The worker starts watching at the end of warm-up and logs any model graph compiled after
     it, while EPLB rearranges (compile_watch.py)."""
@@ -216,7 +215,6 @@ def test_each_worker_logs_that_graph_mode_eplb_is_active_and_upstream_rearranged
     assert "eplb-graph active" not in servers["off"]["log"]
 
 
-@needs_quantized_kernels
 def test_an_fp8_checkpoint_moves_its_block_scales_with_its_experts(fp8_servers):
     log = fp8_servers["on"]["log"]
     active = [line for line in log.splitlines() if "eplb-graph active on cpu" in line]
@@ -226,7 +224,6 @@ def test_an_fp8_checkpoint_moves_its_block_scales_with_its_experts(fp8_servers):
     assert log.count("Rearranging experts (async mode)") >= 3
 
 
-@needs_quantized_kernels
 def test_an_int4_checkpoint_moves_its_scales_and_zero_points_with_its_experts(int4_servers):
     log = int4_servers["on"]["log"]
     active = [line for line in log.splitlines() if "eplb-graph active on cpu" in line]
