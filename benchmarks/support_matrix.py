@@ -46,11 +46,11 @@ Not served: compressed-tensors W4A8-int8 (`CompressedTensorsW4A8Int8MoEMethod`: 
 MoE quant method (refused by name). vLLM 0.32 runs its FP8 and int4 CPU MoE experts only where
 the CPU has AMX tiles; the tests admit them on AMX-less hosts (`tests/vllm_plugin/cpu_quantized_experts.py`):
 on vLLM's own kernels where the CPU has AVX-512 and AVX-512 BF16, and where vLLM's kernel
-library has none (AVX2-only hosts), on torch stand-ins registered under the kernels' names
-(`tests/vllm_plugin/cpu_kernel_stand_ins.py`). Their packing keeps each expert in its own slab of
-dim 0 and their kernel reads exactly the slots routed to, so vLLM's loading, its packing calls,
-its experts classes, its EPLB and our views all run; they do not prove vLLM's C++ kernels, their
-packed layouts or their AMX path.
+library has none (CPUs without AVX-512 BF16), on torch stand-ins registered under the kernels'
+names (`tests/vllm_plugin/cpu_kernel_stand_ins.py`). Their packing keeps each expert in its own
+slab of dim 0 and their kernel reads exactly the slots routed to, so vLLM's loading, its packing
+calls, its experts classes, its EPLB and our views all run, on the stand-ins' layouts; they do
+not prove vLLM's C++ kernels, their packed layouts or their AMX path.
 """
 
 ROUTER_NOTES = """\

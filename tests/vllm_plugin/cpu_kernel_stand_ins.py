@@ -106,6 +106,8 @@ def int4_weights(blocked: torch.Tensor, zeros: torch.Tensor, scales: torch.Tenso
 def expert_weights(method: int, w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
                    experts: torch.Tensor, block_size: list[int] | None) -> torch.Tensor:
     if method == CPUQuantMethod.FP8_W8A16:
+        if block_size is None:
+            raise NotImplementedError("fused_experts_cpu stand-in: FP8 without block scales")
         return fp8_weights(w, scale, experts, block_size)
     if method == CPUQuantMethod.INT4_W4A8:
         return int4_weights(w, zero, scale, experts)
@@ -166,5 +168,6 @@ class StandInKernels:
         return call
 
     def close(self) -> None:
-        """Removes the registrations (a test process that registered them for one module)."""
+        """Removes the registrations (a test process that registered them for one module), as
+        collecting the library would; torch has no public call for it."""
         self.library._destroy()

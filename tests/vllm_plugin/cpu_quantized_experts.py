@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
-from tests.vllm_plugin.cpu_kernel_stand_ins import StandInKernels
+if TYPE_CHECKING:  # imported where registered: importing it imports vLLM, and test modules importskip vLLM
+    from tests.vllm_plugin.cpu_kernel_stand_ins import StandInKernels
 
 LIFT_ENV = "EPLB_GRAPH_TESTS_LIFT_AMX_GATE"
 EXACT_TOKENS_PER_EXPERT = 4
@@ -44,15 +46,33 @@ def missing_quantized_kernels() -> list[str]:
 
 def kernels_in_use() -> str:
     """'vllm' where this host runs vLLM's own quantized kernels, 'stand-ins' where the tests register
-    ours (asked in a process that has registered none)."""
-    return "stand-ins" if missing_quantized_kernels() else "vllm"
+    ours (asked in a process that has registered none). Stand-ins only where vLLM's x86 CPU build
+    was meant to lack the kernels: a CPU with AVX-512 BF16 that misses them had vLLM's library fail."""
+    missing = missing_quantized_kernels()
+    if not missing:
+        return "vllm"
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if not (current_platform.is_cpu() and current_platform.get_cpu_architecture() == CpuArchEnum.X86):
+        raise RuntimeError("the quantized-kernel stand-ins are for vLLM's x86 CPU build")
+    if torch.cpu._is_avx512_bf16_supported():
+        raise RuntimeError(f"this CPU has AVX-512 BF16, yet vLLM's build lacks {missing}: vllm._C did not load")
+    return "stand-ins"
+
+
+def registered_stand_ins() -> StandInKernels | None:
+    """The stand-ins registered for what vLLM's build lacks on this host, or None where it has the kernels."""
+    if kernels_in_use() == "vllm":
+        return None
+    from tests.vllm_plugin.cpu_kernel_stand_ins import StandInKernels
+
+    return StandInKernels(missing_quantized_kernels())
 
 
 @functools.cache
 def stand_ins_for_this_process() -> StandInKernels | None:
     """The stand-ins an engine process runs on, registered once and held for the process's life."""
-    missing = missing_quantized_kernels()
-    return StandInKernels(missing) if missing else None
+    return registered_stand_ins()
 
 
 def kernels_report() -> dict:

@@ -32,10 +32,21 @@ def run(method, w13, w2, s13, s2, x, weights, ids, zeros=(None, None), block=Non
     return out
 
 
+BLOCK_FACTORS = torch.tensor([1.0, 4.0, 0.25, 2.0, 0.5, 8.0, 0.125, 3.0])  # a scale of its own per block
+
+
+def by_block(w: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """[E, N, K] scaled by a distinct factor per [block, block] tile, so a scale read from another tile shows."""
+    nb, kb = w.shape[1] // block, w.shape[2] // block
+    factors = BLOCK_FACTORS[: nb * kb].view(nb, kb).repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return w * factors
+
+
 @pytest.fixture
 def batch():
     gen = torch.Generator().manual_seed(0)
-    w13, w2 = torch.randn(E, 2 * I, H, generator=gen) * H**-0.5, torch.randn(E, H, I, generator=gen) * I**-0.5
+    w13 = by_block(torch.randn(E, 2 * I, H, generator=gen) * H**-0.5)
+    w2 = by_block(torch.randn(E, H, I, generator=gen) * I**-0.5)
     x = torch.randn(T, H, generator=gen).bfloat16()
     ids = torch.randint(0, E, (T, K), generator=gen, dtype=torch.int32)
     return w13, w2, x, torch.softmax(torch.randn(T, K, generator=gen), -1), ids
@@ -43,6 +54,10 @@ def batch():
 
 def stacked(quantize, w: torch.Tensor) -> list[torch.Tensor]:
     return [torch.stack(t) for t in zip(*map(quantize, w))]
+
+
+def close_to(out: torch.Tensor, reference: torch.Tensor) -> bool:
+    return bool((out.double() - reference).abs().max() <= 0.01 * reference.abs().max())  # bf16 output
 
 
 def test_fp8_blocks_each_scale_their_own_block(batch):
@@ -53,26 +68,51 @@ def test_fp8_blocks_each_scale_their_own_block(batch):
                    ((q13, s13), (q2, s2))]
     packed = [stand_ins.convert_weight_packed(q) for q in (q13, q2)]
     out = run(CPUQuantMethod.FP8_W8A16, *packed, s13, s2, x, weights, ids, block=[128, 128])
-    reference = moe_reference(x, *dequantized, weights, ids)
-    assert (out.double() - reference).abs().max() <= 0.01 * reference.abs().max()  # bf16 output
+    assert close_to(out, moe_reference(x, *dequantized, weights, ids))
+    assert not close_to(out, moe_reference(x, *(q.double() * s[:, :1, :1].double() for q, s in  # one scale each
+                                                 ((q13, s13), (q2, s2))), weights, ids))
+
+
+def gptq_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Unsigned int4 [E, N, K], scales and zero points [E, N, G] -> what vLLM's ``_process_weights_cpu``
+    hands the packing: weights [E, K/8, N], zero points stored one below [E, G, N/8], scales [E, G, N]
+    (packed by compressed-tensors, whose offset of 8 makes its signed input these unsigned nibbles)."""
+    packed = torch.stack([pack_to_int32((e - 8).to(torch.int8), 4, packed_dim=1) for e in q]).transpose(1, 2).contiguous()
+    stored = torch.stack([pack_to_int32((z.T - 1 - 8).to(torch.int8), 4, packed_dim=1) for z in zeros])
+    return packed, stored, scales.transpose(1, 2).contiguous()
 
 
 def test_int4_groups_each_scale_their_own_group(batch):
-    """As vLLM's ``_process_weights_cpu`` hands them over: K-first, synthetic zero points."""
+    """A symmetric checkpoint, as vLLM's ``_process_weights_cpu`` hands it over: its synthetic zero points."""
     w13, w2, x, weights, ids = batch
     (q13, s13), (q2, s2) = stacked(quantize_int4_groups, w13), stacked(quantize_int4_groups, w2)
+    assert s13.shape[-1] == 2 and s2.shape[-1] == 2
     dequantized = [q.double() * s.double().repeat_interleave(128, 2) for q, s in ((q13, s13), (q2, s2))]
     blocked = []
     for q, s in ((q13, s13), (q2, s2)):
-        packed = torch.stack([pack_to_int32(e, 4, packed_dim=1) for e in q]).transpose(1, 2).contiguous()  # [E, K/8, N]
-        scales = s.transpose(1, 2).contiguous()  # [E, G, N]
-        assert scales.shape[1] == 2
+        packed, _, scales = gptq_int4(q + 8, s, torch.full_like(s, 8, dtype=torch.long))
         zeros = torch.full((E, scales.shape[1], scales.shape[2] // 8), GPTQ_ZERO, dtype=torch.int32)
         blocked.append(stand_ins.convert_weight_packed_scale_zp(packed, zeros, scales, CPUQuantAlgo.GPTQ))
     (b13, z13, bs13), (b2, z2, bs2) = blocked
     out = run(CPUQuantMethod.INT4_W4A8, b13, b2, bs13, bs2, x, weights, ids, zeros=(z13, z2))
-    reference = moe_reference(x, *dequantized, weights, ids)
-    assert (out.double() - reference).abs().max() <= 0.01 * reference.abs().max()
+    assert close_to(out, moe_reference(x, *dequantized, weights, ids))
+
+
+def test_int4_zero_points_are_each_experts_and_groups_own(batch):
+    _, _, x, weights, ids = batch
+    gen = torch.Generator().manual_seed(1)
+    dequantized, blocked = [], []
+    for N, Kd in ((2 * I, H), (H, I)):
+        q = torch.randint(0, 16, (E, N, Kd), generator=gen)
+        zeros = torch.randint(1, 16, (E, N, Kd // 128), generator=gen)  # stored one below: 1..15
+        scales = torch.rand(E, N, Kd // 128, generator=gen) * 0.02 + 0.005
+        dequantized.append((q - zeros.repeat_interleave(128, 2)) * scales.repeat_interleave(128, 2))
+        blocked.append(stand_ins.convert_weight_packed_scale_zp(*gptq_int4(q, scales, zeros), CPUQuantAlgo.GPTQ))
+    (b13, z13, bs13), (b2, z2, bs2) = blocked
+    out = run(CPUQuantMethod.INT4_W4A8, b13, b2, bs13, bs2, x, weights, ids, zeros=(z13, z2))
+    assert close_to(out, moe_reference(x, *dequantized, weights, ids))
+    rolled = run(CPUQuantMethod.INT4_W4A8, b13, b2, bs13, bs2, x, weights, ids, zeros=(z13.roll(1, 0), z2))
+    assert not close_to(rolled, moe_reference(x, *dequantized, weights, ids))  # another expert's zero points
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16])

@@ -20,10 +20,9 @@ from tests.vllm_plugin.cpu_quantized_experts import (  # noqa: E402
     EXACT_TOKENS_PER_EXPERT,
     cpu_experts,
     int4_blocked_for_cpu,
-    missing_quantized_kernels,
     packed_for_cpu,
+    registered_stand_ins,
 )
-from tests.vllm_plugin.cpu_kernel_stand_ins import StandInKernels  # noqa: E402
 
 E, H, I, K = 8, 128, 128, 2
 
@@ -31,8 +30,7 @@ E, H, I, K = 8, 128, 128, 2
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
     """Registers the stand-ins for this module only, where vLLM's build lacks the kernels."""
-    missing = missing_quantized_kernels()
-    stand_ins = StandInKernels(missing) if missing else None
+    stand_ins = registered_stand_ins()
     yield
     if stand_ins is not None:
         stand_ins.close()
