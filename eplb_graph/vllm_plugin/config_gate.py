@@ -100,14 +100,16 @@ def built_quantization_problem(config: VllmConfig) -> str | None:
     quantization = config.model_config.quantization if config.model_config is not None else None
     if quantization not in SUPPORTED_QUANTIZATIONS:  # detected from the checkpoint, not the arguments
         return quantization_problem(quantization)
-    resolve = getattr(config.quant_config, "resolve_quant_method_cls", None)  # online configs only
-    if resolve is None or config.quant_config.args.targets is not None or config.quant_config.ignored_layers:
+    from vllm.model_executor.layers.quantization.online.base import OnlineQuantizationConfig
+
+    online = config.quant_config
+    if not isinstance(online, OnlineQuantizationConfig) or online.args.targets is not None or online.ignored_layers:
         # chosen by layer name (targets, or ignore patterns that may cover the experts): checked
         # when each layer is bound (expert_views), still before serving
         return None
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-    resolved = resolve(RoutedExperts, "")
+    resolved = online.resolve_quant_method_cls(RoutedExperts, "")
     if resolved is None:  # the MoE layers stay unquantized
         return None
     _source, weights, _pattern, _spec, method = resolved

@@ -124,13 +124,15 @@ class ChaosRun:
             self.coordinator.processes.signal(member, signum)
         log.info("chaos: %s member %d", how, member)
 
-    def _wait(self, condition, what: str, timeout_s: float) -> None:
+    def _wait(self, condition, what: str, timeout_s: float):
+        """The condition's first truthy value, checking the server while waiting for it."""
         deadline = time.monotonic() + timeout_s
-        while not condition():
+        while not (value := condition()):
             self.server.check()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"chaos: {what} not within {timeout_s:g} s")
             time.sleep(0.05)
+        return value
 
     def _size_at_least(self, size: int, tries: int = 3) -> None:
         """Grows the group for the next fault; a resize given up (spares not warm by the deadline, a
@@ -153,9 +155,7 @@ class ChaosRun:
                 return [m for m in self.coordinator.spares if m in self.coordinator.processes.children and m in seen
                         and seen[m].alive is not None and seen[m].alive.phase is Phase.SPARE]
 
-        found: list[int] = []
-        self._wait(lambda: found.extend(warm()) or found, "a warm spare of ours", 300)
-        return found[0]  # read once: a spare lost between two reads is not returned
+        return self._wait(warm, "a warm spare of ours", 300)[0]  # read once: a spare lost since is not returned
 
     def play(self, action: str) -> None:
         server, coordinator = self.server, self.coordinator
