@@ -25,17 +25,6 @@ import torch
 import torch.nn.functional as F
 from vllm._custom_ops import CPUQuantAlgo, CPUQuantMethod
 
-SCHEMAS = {
-    "convert_weight_packed": "convert_weight_packed(Tensor weight) -> Tensor",
-    "convert_weight_packed_scale_zp": "convert_weight_packed_scale_zp(Tensor qweight, Tensor qzeros, "
-                                      "Tensor scales, int quant_method_4bit) -> (Tensor, Tensor, Tensor)",
-    "fused_experts_cpu": "fused_experts_cpu(Tensor(a0!) out, Tensor hidden_states, Tensor w1, Tensor w2, "
-                         "Tensor topk_weights, Tensor topk_ids, int moe_comp_method, Tensor? w1_scale, "
-                         "Tensor? w2_scale, Tensor? w1_zero, Tensor? w2_zero, Tensor? a1_scale, int[]? block_size, "
-                         "Tensor? w1_bias, Tensor? w2_bias, float? alpha, float? limit, bool is_vnni) -> ()",
-}
-
-
 def vnni_pack(weight: torch.Tensor) -> torch.Tensor:
     """[E, N, K] -> [E, N, K]: each expert's K split in groups of V (4 bytes a group), the groups
     laid N-innermost, as VNNI lays them."""
@@ -137,11 +126,18 @@ def fused_experts_cpu(out: torch.Tensor, hidden_states: torch.Tensor, w1: torch.
     out.copy_(torch.einsum("tk,tkh->th", topk_weights.double(), per_expert))
 
 
-IMPLEMENTATIONS = {  # name -> (implementation, fake)
-    "convert_weight_packed": (convert_weight_packed, torch.empty_like),
-    "convert_weight_packed_scale_zp": (convert_weight_packed_scale_zp,
+STAND_INS = {  # name -> (schema, implementation, fake); the schemas are vLLM 0.32's, as its wrappers call them
+    "convert_weight_packed": ("convert_weight_packed(Tensor weight) -> Tensor",
+                              convert_weight_packed, torch.empty_like),
+    "convert_weight_packed_scale_zp": ("convert_weight_packed_scale_zp(Tensor qweight, Tensor qzeros, Tensor scales, "
+                                       "int quant_method_4bit) -> (Tensor, Tensor, Tensor)",
+                                       convert_weight_packed_scale_zp,
                                        lambda w, z, s, algo: tuple(map(torch.empty_like, (w, z, s)))),
-    "fused_experts_cpu": (fused_experts_cpu, lambda *args: None),
+    "fused_experts_cpu": ("fused_experts_cpu(Tensor(a0!) out, Tensor hidden_states, Tensor w1, Tensor w2, "
+                          "Tensor topk_weights, Tensor topk_ids, int moe_comp_method, Tensor? w1_scale, "
+                          "Tensor? w2_scale, Tensor? w1_zero, Tensor? w2_zero, Tensor? a1_scale, int[]? block_size, "
+                          "Tensor? w1_bias, Tensor? w2_bias, float? alpha, float? limit, bool is_vnni) -> ()",
+                          fused_experts_cpu, lambda *args: None),
 }
 
 
@@ -150,13 +146,13 @@ class StandInKernels:
     live as long as this object. All three or none: the kernel reads the stand-ins' packing only."""
 
     def __init__(self, missing: list[str]):
-        if sorted(missing) != sorted(IMPLEMENTATIONS):
-            raise RuntimeError(f"vLLM's build lacks {missing} but has the rest of {sorted(IMPLEMENTATIONS)}: "
+        if sorted(missing) != sorted(STAND_INS):
+            raise RuntimeError(f"vLLM's build lacks {missing} but has the rest of {sorted(STAND_INS)}: "
                                "stand-ins would mix with kernels of another packing")
         self.calls: Counter[str] = Counter()
         self.library = torch.library.Library("_C", "FRAGMENT")
-        for name, (implementation, fake) in IMPLEMENTATIONS.items():
-            self.library.define(SCHEMAS[name])
+        for name, (schema, implementation, fake) in STAND_INS.items():
+            self.library.define(schema)
             self.library.impl(name, self.counted(name, implementation), "CPU")
             torch.library.register_fake(f"_C::{name}", fake, lib=self.library)
 

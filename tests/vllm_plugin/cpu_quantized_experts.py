@@ -32,16 +32,15 @@ if TYPE_CHECKING:  # imported where registered: importing it imports vLLM, and t
 LIFT_ENV = "EPLB_GRAPH_TESTS_LIFT_AMX_GATE"
 EXACT_TOKENS_PER_EXPERT = 4
 LIFTED_EXPERTS = ("CPUExpertsFp8", "CPUExpertsInt4")
-QUANTIZED_KERNEL_OPS = ("fused_experts_cpu", "convert_weight_packed", "convert_weight_packed_scale_zp")
 
 
 def missing_quantized_kernels() -> list[str]:
     """The quantized CPU MoE ops this host's vLLM build lacks. vLLM's x86 build loads the library
     that holds them (``vllm._C``) only where the CPU has AVX-512 and AVX-512 BF16; elsewhere it
     loads ``_C_AVX2`` or ``_C_AVX512``, without them."""
-    import vllm._custom_ops  # noqa: F401  (loads the kernel library this CPU takes)
+    from tests.vllm_plugin.cpu_kernel_stand_ins import STAND_INS  # imports vLLM: the kernel library this CPU takes
 
-    return [op for op in QUANTIZED_KERNEL_OPS if not hasattr(torch.ops._C, op)]
+    return [op for op in STAND_INS if not hasattr(torch.ops._C, op)]
 
 
 def kernels_in_use() -> str:
@@ -101,25 +100,44 @@ def packed_for_cpu(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops._C.convert_weight_packed(weight)
 
 
-def int4_blocked_for_cpu(w13_packed, w2_packed, w13_scale, w2_scale) -> tuple[torch.Tensor, ...]:
-    """compressed-tensors int4 [E, O, I/8] int32 and scales [E, O, I/group] -> the blocked
-    (w13, w2, w13 scales, w2 scales, w13 zero points, w2 zero points) vLLM's CPU int4 experts
-    read: vLLM's own load-time conversion, for a symmetric checkpoint."""
+def int4_blocked_for_cpu(w13_packed, w2_packed, w13_scale, w2_scale, zeros=(None, None)) -> tuple[torch.Tensor, ...]:
+    """compressed-tensors int4 [E, O, I/8] int32, scales [E, O, I/group] and, for an asymmetric
+    checkpoint, zero points [E, O/8, I/group] stored one below -> the blocked (w13, w2, w13 scales,
+    w2 scales, w13 zero points, w2 zero points) vLLM's CPU int4 experts read: vLLM's own load-time
+    conversion (which makes the zero points of a symmetric checkpoint)."""
     from compressed_tensors.quantization import QuantizationArgs
     from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import _process_weights_cpu
 
     group = w13_packed.shape[-1] * 8 // w13_scale.shape[-1]
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
-    return _process_weights_cpu(args, w13_packed, w2_packed, w13_scale, w2_scale)[:6]
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=zeros[0] is None, strategy="group", group_size=group)
+    return _process_weights_cpu(args, w13_packed, w2_packed, w13_scale, w2_scale, *zeros)[:6]
 
 
 def cpu_experts(x, method: str, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, zeros=(None, None),
-                block=None):
-    """vLLM's CPU experts (``method``: FP8_W8A16 or INT4_W4A8), called as its experts classes call them."""
+                block=None, kernel=None):
+    """vLLM's CPU experts (``method``: FP8_W8A16 or INT4_W4A8), called as its experts classes call
+    them: ``torch.ops._C.fused_experts_cpu``, or ``kernel`` called the same way."""
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUQuantMethod
 
     out = torch.empty_like(x)
-    torch.ops._C.fused_experts_cpu(out, x, w13, w2, topk_weights, topk_ids.to(torch.int32),
-                                   getattr(CPUQuantMethod, method), w13_scale, w2_scale, *zeros, None, block,
-                                   None, None, None, None, True)
+    (kernel or torch.ops._C.fused_experts_cpu)(out, x, w13, w2, topk_weights, topk_ids.to(torch.int32),
+                                               getattr(CPUQuantMethod, method), w13_scale, w2_scale, *zeros, None,
+                                               block, None, None, None, None, True)
     return out
+
+
+def stacked(quantize, w: torch.Tensor) -> list[torch.Tensor]:
+    """Each expert of [E, ...] quantized -> the quantizer's outputs, each stacked over the experts."""
+    return [torch.stack(t) for t in zip(*map(quantize, w))]
+
+
+def moe_reference(x, w13, w2, weights, ids) -> torch.Tensor:
+    """The SiLU-gated MoE the kernels compute, over dequantized [E, 2I, H] and [E, H, I], in float64: [T, H]."""
+    hidden = torch.einsum("th,tkoh->tko", x.double(), w13[ids].double())  # [T, K, 2I]
+    gate, up = hidden.chunk(2, dim=-1)
+    return torch.einsum("tk,tki,tkhi->th", weights.double(), torch.nn.functional.silu(gate) * up, w2[ids].double())
+
+
+def close_to(out: torch.Tensor, reference: torch.Tensor, rel: float) -> bool:
+    """Within ``rel`` of the reference's largest magnitude."""
+    return bool((out.double() - reference).abs().max() <= rel * reference.abs().max())

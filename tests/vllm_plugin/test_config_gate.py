@@ -85,6 +85,15 @@ def test_a_users_post_grad_pass_is_kept_and_still_runs(model_dir):
     assert slot.uuid() != VllmEplbPass().uuid()  # the user's pass is part of the cache key
 
 
+def refused_as_given(args, match: str) -> EplbConfigError:
+    """The engine config refused by name, the request left exactly as the user gave it (nothing half-applied)."""
+    before = copy.deepcopy((args.enable_eplb, args.eplb_config))
+    with pytest.raises(EplbConfigError, match=match) as error:
+        args.create_engine_config()
+    assert (args.enable_eplb, args.eplb_config) == before
+    return error.value
+
+
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
@@ -97,12 +106,8 @@ def test_a_users_post_grad_pass_is_kept_and_still_runs(model_dir):
     ],
 )
 def test_unsupported_combinations_are_refused_by_name_before_anything_starts(model_dir, overrides, named):
-    args = eplb_args(model_dir, **overrides)
-    before = (args.enable_eplb, args.eplb_config)
-    with pytest.raises(EplbConfigError, match="eplb-graph cannot serve this EPLB request") as error:
-        args.create_engine_config()
-    assert named in str(error.value)
-    assert (args.enable_eplb, args.eplb_config) == before  # the request is left as the user gave it
+    error = refused_as_given(eplb_args(model_dir, **overrides), "eplb-graph cannot serve this EPLB request")
+    assert named in str(error)
 
 
 def test_online_fp8_per_block_is_accepted(model_dir):
@@ -122,11 +127,8 @@ def test_online_fp8_no_view_was_bound_to_is_refused_by_name(model_dir, quantizat
 ])
 def test_online_fp8_is_judged_by_the_moe_method_vllm_builds(model_dir, quantization, quantization_config, built):
     args = eplb_args(model_dir, quantization=quantization, quantization_config=quantization_config, dtype="bfloat16")
-    before = copy.deepcopy(args.eplb_config)
-    with pytest.raises(EplbConfigError, match=rf"quantization='{quantization}' builds {built} for the MoE layers "
-                                              rf"\(online, weights fp8_per_tensor_static\).* has no expert-weight view"):
-        args.create_engine_config()
-    assert args.enable_eplb and args.eplb_config == before  # the request is left as the user gave it
+    refused_as_given(args, rf"quantization='{quantization}' builds {built} for the MoE layers "
+                           rf"\(online, weights fp8_per_tensor_static\).* has no expert-weight view")
 
 
 @pytest.mark.parametrize("quantization_config", [
@@ -145,11 +147,7 @@ def test_a_checkpoints_own_quantization_is_checked_accepted_or_refused_by_name(t
     assert eplb_args(str(fp8), dtype="bfloat16").create_engine_config().model_config.quantization == "fp8"
     awq = write_tiny_qwen3_moe(tmp_path / "awq", quantization_config={
         "quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"})
-    args = eplb_args(str(awq), dtype="bfloat16")
-    before = copy.deepcopy(args.eplb_config)
-    with pytest.raises(EplbConfigError, match="quantization='awq' has no expert-weight view"):
-        args.create_engine_config()
-    assert args.enable_eplb and args.eplb_config == before  # the request is left as the user gave it
+    refused_as_given(eplb_args(str(awq), dtype="bfloat16"), "quantization='awq' has no expert-weight view")
 
 
 def test_a_stall_bound_that_is_not_one_is_refused_at_engine_start_naming_the_variable(model_dir, monkeypatch):

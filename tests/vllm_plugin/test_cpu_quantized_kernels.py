@@ -18,10 +18,13 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32 
 from eplb_graph.models.tiny_checkpoint import quantize_fp8_blocks, quantize_int4_groups  # noqa: E402
 from tests.vllm_plugin.cpu_quantized_experts import (  # noqa: E402
     EXACT_TOKENS_PER_EXPERT,
+    close_to,
     cpu_experts,
     int4_blocked_for_cpu,
+    moe_reference,
     packed_for_cpu,
     registered_stand_ins,
+    stacked,
 )
 
 E, H, I, K = 8, 128, 128, 2
@@ -34,10 +37,6 @@ def kernels():
     yield
     if stand_ins is not None:
         stand_ins.close()
-
-
-def stacked(quantize, w: torch.Tensor) -> list[torch.Tensor]:
-    return [torch.stack(t) for t in zip(*map(quantize, w))]
 
 
 @pytest.fixture(scope="module", params=["fp8", "int4"])
@@ -66,12 +65,8 @@ def test_the_kernel_computes_its_format_on_this_cpu(experts):
     x = torch.randn(16, H, generator=gen).bfloat16()
     ids = torch.randint(0, E, (16, K), generator=gen)
     weights = torch.softmax(torch.randn(16, K, generator=gen), -1)
-    w13, w2 = experts[3]
-    hidden = torch.einsum("th,tkoh->tko", x.float(), w13[ids])  # [T, K, 2I]
-    gate, up = hidden.chunk(2, dim=-1)
-    reference = torch.einsum("tk,tki,tkhi->th", weights, torch.nn.functional.silu(gate) * up, w2[ids])  # [T, H]
-    out = run(experts, x, ids, weights).float()
-    assert (out - reference).abs().max() <= 0.03 * reference.abs().max()  # bf16 (and int8) activations
+    reference = moe_reference(x, *experts[3], weights, ids)
+    assert close_to(run(experts, x, ids, weights), reference, 0.03)  # bf16 (and int8) activations
 
 
 @pytest.mark.parametrize("routing", ["all_on_two_experts", "mixed"])
