@@ -9,6 +9,10 @@
          see layer_routing.py)
     torch.ops.eplb_graph.ep_all_gather / ep_local_slots / ep_sum_own_rows(..., group: str)
         (EP collectives over the named elastic group as it is now, see ep_collectives.py)
+    torch.ops.eplb_graph.local_expert_pairs(hidden_states, topk_weights, topk_ids, expert_map,
+                                            weights, layer: str) -> output
+        (the named layer's experts over the pairs routed to this rank's slots only, CPU;
+         see local_experts.py)
 
 Kernels per dispatch key:
   CPU          C++ (csrc/routing.cpp, built once per machine by native_routing.py) where it can
@@ -26,9 +30,10 @@ import importlib.util
 
 import torch
 
-from . import ep_collectives, layer_routing, native_routing, routing
+from . import ep_collectives, layer_routing, local_experts, native_routing, routing
 from .ep_collectives import EP_GROUPS, EpGroupRegistry
 from .layer_routing import LAYER_TABLES, LayerTableRegistry
+from .local_experts import LOCAL_EXPERTS, LocalExpertsRegistry
 
 NAMESPACE = "eplb_graph"
 
@@ -78,6 +83,7 @@ def _register(lib: torch.library.Library) -> tuple[str, str]:
     torch.library.register_fake(f"{NAMESPACE}::map_and_record", routing.map_and_record_fake, lib=lib)
     layer_routing.register(lib, None if native is not None else composite_layer_kernel, cuda_layer_kernel)
     ep_collectives.register(lib, NAMESPACE)
+    local_experts.register(lib)
     if native is None:
         return "composite", cuda_kernel_name
     LAYER_TABLES.attach_native(native)
@@ -105,6 +111,7 @@ map_to_physical = torch.ops.eplb_graph.map_to_physical
 record_load = torch.ops.eplb_graph.record_load
 map_and_record = torch.ops.eplb_graph.map_and_record
 map_and_record_layer = torch.ops.eplb_graph.map_and_record_layer
+local_expert_pairs = torch.ops.eplb_graph.local_expert_pairs
 
 __all__ = [
     "CPU_LAYER_KERNEL",
@@ -112,10 +119,13 @@ __all__ = [
     "EP_GROUPS",
     "EpGroupRegistry",
     "LAYER_TABLES",
+    "LOCAL_EXPERTS",
     "LayerTableRegistry",
+    "LocalExpertsRegistry",
     "NAMESPACE",
     "map_and_record",
     "map_and_record_layer",
+    "local_expert_pairs",
     "map_to_physical",
     "record_load",
 ]

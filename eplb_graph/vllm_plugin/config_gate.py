@@ -41,9 +41,6 @@ LEGACY_EPLB_CONTROLS = (
     "num_wait_worker_iterations",
     "gate_eplb",
 )
-# vLLM's CPU fused-MoE kernel ignores the expert map under expert parallel: a worker with
-# EP > 1 segfaults in csrc/cpu/cpu_fused_moe.cpp at the first forward (fp32 and bf16).
-CPU_EP_LIMIT = 1
 PASS_SLOT = "post_grad_custom_post_pass"
 _GATE_MARK = "__eplb_graph_gate__"
 
@@ -71,15 +68,11 @@ def check_eplb_request(engine_args, *, on_cpu: bool) -> None:
         problems.append("enable_expert_parallel=False: EPLB needs expert parallel")
     if engine_args.quantization not in SUPPORTED_QUANTIZATIONS:
         problems.append(quantization_problem(engine_args.quantization))
-    if on_cpu:
-        ep_size = (
-            engine_args.tensor_parallel_size * engine_args.data_parallel_size * engine_args.prefill_context_parallel_size
+    if on_cpu and engine_args.prefill_context_parallel_size > 1:
+        problems.append(
+            f"prefill_context_parallel_size={engine_args.prefill_context_parallel_size} on CPU: eplb-graph serves "
+            f"expert parallel over tensor and data parallel ranks there"
         )
-        if ep_size > CPU_EP_LIMIT:
-            problems.append(
-                f"expert parallel over {ep_size} processes on CPU: vLLM's CPU fused-MoE kernel ignores the expert "
-                f"map and crashes (cpu_fused_moe.cpp); use one process with num_redundant_experts"
-            )
     try:
         stall_bound_from_env(os.environ)  # the workers read it again; a bad value is named here, at start
     except ValueError as error:

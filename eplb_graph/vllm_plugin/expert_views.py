@@ -100,6 +100,16 @@ class ExpertWeightView:
     def summary(self) -> dict:
         return {"moved": list(self.moved), "derived": list(self.derived), "kernel_reads": self.kernel_reads}
 
+    def slot_digests(self) -> list[str]:
+        """One digest per local slot over the bytes of every tensor that moves with its expert."""
+        import hashlib
+
+        digests = [hashlib.sha256() for _ in range(self.num_local_experts)]
+        for tensor in [*self.moved.values(), *self.derived.values()]:
+            rows = tensor.detach().reshape(self.num_local_experts, -1).cpu().contiguous().view(torch.uint8)  # [E, bytes]
+            for digest, row in zip(digests, rows):
+                digest.update(row.numpy().tobytes())
+        return [digest.hexdigest()[:16] for digest in digests]
 
     def row_layout(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of each tensor moved with an expert, upstream's and derived, in move order."""

@@ -31,6 +31,7 @@ from . import router_adapter
 from .compile_watch import CompileWatch
 from .expert_views import ExpertWeightView, complete_move_list
 from .layers import GRAPH_PASS, ROUTER_ADAPTER, VllmMoELayer
+from .local_experts import LocalPairExperts, pair_experts_class
 
 
 class EplbMappingError(RuntimeError):
@@ -85,8 +86,11 @@ class VllmEplbWorker:
         from vllm.distributed.eplb.eplb_state import EplbState
         from vllm.model_executor.models.interfaces import get_mixture_of_experts_model
 
+        from vllm.distributed.parallel_state import get_ep_group
+
         self.runner = runner
         parallel_config = runner.parallel_config
+        self.ep_rank, self.ep_size = get_ep_group().rank_in_group, get_ep_group().world_size
         # before EplbState (it constructs events and starts the worker); the bound was checked at engine start
         self.binding = UpstreamBinding(runner.device, stall_bound_from_env(os.environ))
         self.built_upstream_state = runner.eplb_state is None
@@ -104,6 +108,8 @@ class VllmEplbWorker:
         roots = compiled_roots(runner.model)
         compilation_config = runner.vllm_config.compilation_config
         self.expert_views: dict[str, ExpertWeightView] = {}
+        # on CPU under expert parallel, each layer's experts run this rank's pairs only (local_experts.py)
+        self.local_experts: dict[str, LocalPairExperts] = {}
         for model_state in runner.eplb_state.model_states.values():
             model = model_state.model
             views = [
@@ -127,6 +133,8 @@ class VllmEplbWorker:
                 )
                 if mapped_by == ROUTER_ADAPTER:
                     router_adapter.bind_router(moe_runner.router, layer.key)
+                if torch.device(runner.device).type == "cpu" and moe_runner.routed_experts.use_ep:
+                    self.local_experts[layer.key] = LocalPairExperts(moe_runner.routed_experts, layer.key)
                 layers.append(layer)
             self.binding.bind(model, layers)
         # it counts our pass's mappings: nothing to watch where no layer is mapped by the pass
@@ -212,9 +220,22 @@ class VllmEplbWorker:
             # None: no layer mapped by the pass, or not started
             "graphs_compiled_while_serving": self.compile_watch and self.compile_watch.since_start(),
             "expert_views": {name: view.summary() for name, view in self.expert_views.items()},
+            # (token, k) pairs this rank's experts computed, per layer (only its own: local_experts.py)
+            "local_pairs_computed": {key: experts.pairs_computed for key, experts in self.local_experts.items()},
             # tokens per physical expert upstream holds in its window (what the policy sees)
             "load_window_total": sum(int(s.expert_load_window.sum()) for s in self.runner.eplb_state.model_states.values()),
+            "ep_rank": self.ep_rank,
+            "ep_size": self.ep_size,
+            # expert bytes this rank's mover sent to and received from other EP ranks
+            "bytes_sent": sum(getattr(s.communicator, "bytes_sent", 0) for s in self.runner.eplb_state.model_states.values()),
+            "bytes_received": sum(getattr(s.communicator, "bytes_received", 0)
+                                  for s in self.runner.eplb_state.model_states.values()),
         }
+
+    def slot_digests(self) -> dict[str, list[str]]:
+        """Per layer, a digest of each local slot's expert storage (all it moves), for checking
+        that every slot holds the expert its committed placement names. Reads every expert byte."""
+        return {name: view.slot_digests() for name, view in self.expert_views.items()}
 
 
 def vllm_logger() -> logging.Logger:
@@ -236,5 +257,9 @@ def log_active(worker: VllmEplbWorker) -> str:
         f"{'async' if eplb.use_async else 'sync'} EPLB through {', '.join(sorted(movers))}; each expert moves with "
         f"{' | '.join(sorted(moved))}"
     )
+    if worker.local_experts:
+        classes = sorted({pair_experts_class(experts.experts) for experts in worker.local_experts.values()})
+        line += (f"; expert parallel rank {worker.ep_rank} of {worker.ep_size}: each layer's {', '.join(classes)} "
+                 f"compute this rank's (token, k) pairs only (eplb_graph::local_expert_pairs)")
     vllm_logger().info(line)
     return line

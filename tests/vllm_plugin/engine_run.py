@@ -52,12 +52,15 @@ def main() -> int:
     parser.add_argument("--weights", choices=["float32", *CHECKPOINTS], default="float32")
     parser.add_argument("--hide-scales-from-upstream", action="store_true")
     parser.add_argument("--no-derived-moves", action="store_true")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (expert parallel over as many workers)")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of worker_state, a function
+    if args.tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(core) for core in range(args.tp)))
     if not args.engine_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from torch._dynamo.utils import counters
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -78,6 +81,7 @@ def main() -> int:
     kwargs = dict(
         model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16" if quantized else "float32",
         max_model_len=128, max_num_seqs=args.prompts, seed=0, enforce_eager=args.mode == "eager",
+        tensor_parallel_size=args.tp,
     )
     if quantized:
         kwargs.update(max_num_batched_tokens=EXACT_TOKENS_PER_EXPERT)
@@ -96,27 +100,46 @@ def main() -> int:
         outputs = llm.generate(prompts, sampling, use_tqdm=False)
         print("ENGINE_RUN_RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outputs]}), flush=True)
         return 0
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    worker = getattr(runner, "eplb_graph", None)
-    dynamo_graphs_after_warm_up = counters["stats"]["unique_graphs"]
-    pass_runs_after_warm_up = sum(layer.graph_mappings for layer in worker.layers) if worker else 0
-
+    before = llm.collective_rpc(worker_state)  # every worker, in this process or its own (--tp)
     outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    after = llm.collective_rpc(worker_state, kwargs={"digests": args.eplb == "on"})
+    first = after[0]
     result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-        "quantized_kernels": kernels_report() if quantized else None,
-        "enable_eplb": runner.parallel_config.enable_eplb,
-        # Dynamo graphs compiled during generation, and graphs our pass rewrote during it
-        "recompiles_after_warm_up": counters["stats"]["unique_graphs"] - dynamo_graphs_after_warm_up,
-        "pass_runs_after_warm_up": (sum(layer.graph_mappings for layer in worker.layers) if worker else 0)
-        - pass_runs_after_warm_up,
-        "dynamo_graphs": counters["stats"]["unique_graphs"],
-        "eplb": None if worker is None else {**worker.summary(), "mapping": worker.verify_mapping(require_calls=True)},
+        "quantized_kernels": first["quantized_kernels"] if quantized else None,
+        "enable_eplb": first["enable_eplb"],
+        # Dynamo graphs compiled during generation, and graphs our pass rewrote during it, over the workers
+        "recompiles_after_warm_up": sum(a["dynamo_graphs"] - b["dynamo_graphs"] for a, b in zip(after, before)),
+        "pass_runs_after_warm_up": sum(a["graph_mappings"] - b["graph_mappings"] for a, b in zip(after, before)),
+        "dynamo_graphs": first["dynamo_graphs"],
+        "eplb": first["eplb"],
+        # per worker: its EPLB summary before generation (slot digests at load) and after it
+        "workers": [{"before": b["eplb"], "after": a["eplb"]} for b, a in zip(before, after)],
         "pass_installed": type(llm.llm_engine.vllm_config.compilation_config.inductor_compile_config.get(
             "post_grad_custom_post_pass")).__name__,
     }
     print("ENGINE_RUN_RESULT " + json.dumps(result), flush=True)
     return 0
+
+
+def worker_state(worker, digests: bool = True) -> dict:
+    """One worker's EPLB state (run in the worker by ``collective_rpc``)."""
+    from torch._dynamo.utils import counters
+
+    runner = worker.model_runner
+    eplb = getattr(runner, "eplb_graph", None)
+    summary = None
+    if eplb is not None:
+        summary = {**eplb.summary(), "mapping": eplb.verify_mapping(require_calls=True)}
+        if digests:
+            summary["slot_digests"] = eplb.slot_digests()
+    return {
+        "eplb": summary,
+        "enable_eplb": runner.parallel_config.enable_eplb,
+        "dynamo_graphs": counters["stats"]["unique_graphs"],
+        "graph_mappings": sum(layer.graph_mappings for layer in eplb.layers) if eplb else 0,
+        "quantized_kernels": kernels_report() if os.environ.get(LIFT_ENV) == "1" else None,
+    }
 
 
 def hide_scales_from_upstream() -> None:

@@ -67,6 +67,13 @@ def test_eplb_on_cpu_is_lifted_with_the_requested_config_and_our_pass(model_dir)
     assert isinstance(slot, VllmEplbPass) and slot.user_pass is None
 
 
+def test_expert_parallel_over_tensor_parallel_workers_is_served_on_cpu(model_dir):
+    """EP over 2 workers: each rank's experts run its own pairs (local_experts.py; engines: test_engine.py)."""
+    config = eplb_args(model_dir, tensor_parallel_size=2).create_engine_config()
+    parallel = config.parallel_config
+    assert parallel.enable_eplb and parallel.tensor_parallel_size == 2 and parallel.enable_expert_parallel
+
+
 def test_a_users_post_grad_pass_is_kept_and_still_runs(model_dir):
     seen = []
 
@@ -102,7 +109,7 @@ def refused_as_given(args, match: str) -> EplbConfigError:
         ({"quantization": "bitsandbytes"}, "quantization='bitsandbytes' has no expert-weight view"),
         ({"enable_dbo": True}, "enable_dbo=True"),
         ({"enable_expert_parallel": False}, "enable_expert_parallel=False"),
-        ({"tensor_parallel_size": 2}, "expert parallel over 2 processes on CPU"),
+        ({"prefill_context_parallel_size": 2}, "prefill_context_parallel_size=2 on CPU"),
     ],
 )
 def test_unsupported_combinations_are_refused_by_name_before_anything_starts(model_dir, overrides, named):

@@ -1,0 +1,133 @@
+"""``eplb_graph::local_expert_pairs``: a rank's experts over the (token, k) pairs routed to its own slots.
+
+Under expert parallel every rank sees top-k ids in the global physical space; a rank holds the
+slots its ``expert_map`` ([num_physical], local slot or -1) names. A kernel that ignores the map
+(vLLM's CPU fused-MoE kernels) either crashes on a foreign id or, given a remap that sends
+foreign pairs to a local expert with weight 0, still computes every pair on every rank -- so a
+hot rank could never be relieved by moving experts off it. This op computes exactly the pairs
+that are local: it compacts them into rows of top-1 work ([P, H] inputs, [P, 1] ids and weights),
+runs the layer's own kernel on those, and sums each row back into its token.
+
+The compaction has a data-dependent size, so it lives inside this opaque op (invariant 9: the
+traced graph sees one op with the shape of ``hidden_states``, no host sync, no dynamic shape);
+expert selection stays where it was (invariant 2): the op consumes the physical ids the routing
+op produced. Like ``map_and_record_layer``, the op names its layer and finds the layer's kernel
+at run time (``LOCAL_EXPERTS``); the tensors the kernel reads are passed in ``weights`` so the
+graph states what it depends on.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Protocol
+
+import torch
+
+from .routing import check_ids
+
+LOCAL_EXPERT_PAIRS_SCHEMA = (
+    "local_expert_pairs(Tensor hidden_states, Tensor topk_weights, Tensor topk_ids, Tensor expert_map, "
+    "Tensor[] weights, str layer) -> Tensor"
+)
+
+
+class PairKernel(Protocol):
+    """A layer's experts over top-1 rows: ``[P, H]`` inputs, ``[P, 1]`` local slots and weights,
+    ``weights`` as the op received them; returns each row's weighted expert output ``[P, H]``."""
+
+    def run_pairs(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor,
+                  weights: list[torch.Tensor]) -> torch.Tensor: ...
+
+
+class LocalExpertsRegistry:
+    """Layer key -> its live ``PairKernel`` (weakly held: a graph naming a dead layer fails by name),
+    with the pairs each layer computed, so a caller can prove foreign pairs cost nothing."""
+
+    def __init__(self) -> None:
+        self._kernels: dict[str, weakref.ReferenceType] = {}
+        self._pairs: dict[str, int] = {}
+        self._calls: dict[str, int] = {}
+
+    def register(self, key: str, kernel: PairKernel) -> None:
+        existing = self._kernels.get(key)
+        if existing is not None and existing() is not None and existing() is not kernel:
+            raise ValueError(f"local experts of layer {key!r} are already registered")
+        self._kernels[key] = weakref.ref(kernel)
+        self._pairs[key] = self._calls[key] = 0
+
+    def unregister(self, key: str) -> None:
+        self._kernels.pop(key, None)
+
+    def resolve(self, key: str) -> PairKernel:
+        ref = self._kernels.get(key)
+        kernel = ref() if ref is not None else None
+        if kernel is None:
+            raise KeyError(f"no live local experts named {key!r} (known: {sorted(self._kernels)[:8]})")
+        return kernel
+
+    def count(self, key: str, pairs: int) -> None:
+        self._pairs[key] += pairs
+        self._calls[key] += 1
+
+    def pairs(self, key: str) -> int:
+        """(token, k) pairs the layer's kernel computed since it was registered."""
+        return self._pairs.get(key, 0)
+
+    def calls(self, key: str) -> int:
+        return self._calls.get(key, 0)
+
+    def __contains__(self, key: str) -> bool:
+        ref = self._kernels.get(key)
+        return ref is not None and ref() is not None
+
+
+# The op finds kernels from a string, so the index is process-wide, as the registrations are.
+LOCAL_EXPERTS = LocalExpertsRegistry()
+
+
+def check_pair_args(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    expert_map: torch.Tensor) -> None:
+    check_ids(topk_ids)
+    if hidden_states.dim() != 2 or hidden_states.shape[0] != topk_ids.shape[0]:
+        raise RuntimeError(f"hidden_states must be [T, H] with T = {topk_ids.shape[0]} (topk_ids' rows), "
+                           f"got {tuple(hidden_states.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise RuntimeError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
+    if expert_map.dim() != 1 or expert_map.dtype not in (torch.int32, torch.int64):
+        raise RuntimeError(f"expert_map must be [num_physical] int32/int64, got {tuple(expert_map.shape)} "
+                           f"{expert_map.dtype}")
+
+
+def local_expert_pairs_kernel(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                              expert_map: torch.Tensor, weights: list[torch.Tensor], layer: str) -> torch.Tensor:
+    check_pair_args(hidden_states, topk_weights, topk_ids, expert_map)
+    kernel = LOCAL_EXPERTS.resolve(layer)
+    local = expert_map[topk_ids.long()]  # [T, K] local slot, -1 where another rank holds it
+    token, slot = (local >= 0).nonzero(as_tuple=True)  # [P], [P]: local pairs, token-major
+    LOCAL_EXPERTS.count(layer, int(token.numel()))
+    output = torch.zeros_like(hidden_states)  # [T, H]
+    if token.numel() == 0:
+        return output
+    rows = kernel.run_pairs(
+        hidden_states.index_select(0, token),  # [P, H]
+        topk_weights[token, slot].unsqueeze(1),  # [P, 1]
+        local[token, slot].unsqueeze(1).to(topk_ids.dtype),  # [P, 1]
+        weights,
+    )
+    return output.index_add_(0, token, rows.to(output.dtype))
+
+
+def local_expert_pairs_fake(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                            expert_map: torch.Tensor, weights: list[torch.Tensor], layer: str) -> torch.Tensor:
+    check_pair_args(hidden_states, topk_weights, topk_ids, expert_map)
+    if layer not in LOCAL_EXPERTS:  # fail when the graph is built, not at its first run
+        LOCAL_EXPERTS.resolve(layer)
+    return torch.empty_like(hidden_states)
+
+
+def register(lib: torch.library.Library) -> None:
+    """CPU only: device kernels (CUDA's, Ascend's) honour the expert map themselves, and this
+    op's compaction would sync a device with its host."""
+    lib.define(LOCAL_EXPERT_PAIRS_SCHEMA)
+    lib.impl("local_expert_pairs", local_expert_pairs_kernel, "CPU")
+    torch.library.register_fake("eplb_graph::local_expert_pairs", local_expert_pairs_fake, lib=lib)

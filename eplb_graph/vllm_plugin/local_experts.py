@@ -1,0 +1,96 @@
+"""vLLM's CPU experts under expert parallel: each rank computes only the pairs routed to its slots.
+
+vLLM 0.32's CPU experts (``CPUUnquantizedExperts``, ``CPUExpertsFp8``, ``CPUExpertsInt4``) receive
+the layer's ``expert_map`` at ``apply`` and drop it: their kernels index per-expert buffers with
+global physical ids, which crashes once a rank holds a part of the slots. ``LocalPairExperts``
+binds one layer's experts *instance* (the class and every other layer keep upstream's ``apply``)
+to ``eplb_graph::local_expert_pairs``, which hands the upstream ``apply`` of that same instance
+only this rank's (token, k) pairs, as top-1 rows with local slot ids: the kernel, its packed
+weights and its scales are upstream's, and a pair routed to another rank costs this rank nothing.
+An experts class not listed is refused by name when the worker binds the layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eplb_graph.custom_ops import LOCAL_EXPERTS
+
+# vLLM's CPU experts whose apply takes (token, k) rows with local ids and top-k weights, applies
+# the weights and sums over k itself (TopKWeightAndReduceNoOP), and keeps its own scratch space
+PAIR_EXPERTS = ("CPUUnquantizedExperts", "CPUExpertsFp8", "CPUExpertsInt4")
+HOOK = "apply"
+
+
+class LocalExpertsError(RuntimeError):
+    """A layer's experts cannot run on this rank's pairs only."""
+
+
+def pair_experts_class(experts: object) -> str | None:
+    """The listed class ``experts`` is (or derives from: the x86 / Arm / Power unquantized ones)."""
+    return next((cls.__name__ for cls in type(experts).__mro__ if cls.__name__ in PAIR_EXPERTS), None)
+
+
+class LocalPairExperts:
+    """One layer's vLLM CPU experts over this rank's pairs (a ``PairKernel`` of ``LOCAL_EXPERTS``)."""
+
+    def __init__(self, routed_experts: torch.nn.Module, key: str) -> None:
+        kernel = getattr(routed_experts.quant_method, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or pair_experts_class(experts) is None:
+            raise LocalExpertsError(
+                f"layer {key}: expert parallel on CPU runs each rank's own pairs through {', '.join(PAIR_EXPERTS)}; "
+                f"this layer's experts are {type(experts).__name__}"
+            )
+        if HOOK in vars(experts):
+            raise LocalExpertsError(f"layer {key}: its experts' apply is already bound")
+        self.key = key
+        self.experts = experts
+        self.upstream_apply = type(experts).apply.__get__(experts)
+        self.activation = routed_experts.activation
+        self.global_num_experts = int(routed_experts.global_num_experts)
+        self.apply_router_weight_on_input = bool(routed_experts.apply_router_weight_on_input)
+        LOCAL_EXPERTS.register(key, self)
+        setattr(experts, HOOK, self.apply)
+
+    def unbind(self) -> None:
+        vars(self.experts).pop(HOOK, None)
+        LOCAL_EXPERTS.unregister(self.key)
+
+    @property
+    def pairs_computed(self) -> int:
+        return LOCAL_EXPERTS.pairs(self.key)
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input) -> None:
+        """Upstream's ``apply`` signature; runs when Dynamo traces the layer (or each eager call)."""
+        if expert_map is None:  # every slot is local: nothing to select
+            return self.upstream_apply(output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                                       global_num_experts, expert_map, a1q_scale, a2_scale, workspace13,
+                                       workspace2, expert_tokens_meta, apply_router_weight_on_input)
+        bound = (self.activation, self.global_num_experts, self.apply_router_weight_on_input)
+        if (activation, global_num_experts, apply_router_weight_on_input) != bound or a1q_scale is not None \
+                or expert_tokens_meta is not None:
+            raise LocalExpertsError(
+                f"layer {self.key}: its experts were called with activation={activation}, global experts="
+                f"{global_num_experts}, weights on input={apply_router_weight_on_input}, input scales="
+                f"{a1q_scale is not None}, token metadata={expert_tokens_meta is not None}; bound for {bound} "
+                f"and unquantized, standard-format inputs"
+            )
+        output.copy_(torch.ops.eplb_graph.local_expert_pairs(
+            hidden_states, topk_weights, topk_ids, expert_map, [w1, w2], self.key))  # [T, H]
+
+    def run_pairs(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor,
+                  weights: list[torch.Tensor]) -> torch.Tensor:
+        """Upstream's kernel on ``[P, H]`` rows with ``[P, 1]`` local ids and weights."""
+        w1, w2 = weights
+        rows = hidden_states.shape[0]
+        out = torch.empty_like(hidden_states)  # [P, H]
+        shapes = self.experts.workspace_shapes(rows, w1.shape[1], hidden_states.shape[1], 1, self.global_num_experts,
+                                               w1.shape[0], None, self.activation)
+        workspace13, workspace2 = (hidden_states.new_empty(shape) for shape in shapes[:2])
+        self.upstream_apply(out, hidden_states, w1, w2, topk_weights, local_ids, self.activation,
+                            self.global_num_experts, None, None, None, workspace13, workspace2, None,
+                            self.apply_router_weight_on_input)
+        return out

@@ -1,0 +1,131 @@
+"""``eplb_graph::local_expert_pairs``: a rank's experts over exactly the pairs routed to its slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eplb_graph.custom_ops import LOCAL_EXPERTS
+
+H, I, E_GLOBAL = 16, 8, 6
+
+
+def silu_moe(x, w13, w2, weights, ids) -> torch.Tensor:
+    """The SiLU-gated MoE over experts ``w13`` [E, 2I, H], ``w2`` [E, H, I]: [T, H]."""
+    gate, up = torch.einsum("th,tkoh->tko", x, w13[ids]).chunk(2, dim=-1)  # [T, K, I] each
+    return torch.einsum("tk,tki,tkhi->th", weights, torch.nn.functional.silu(gate) * up, w2[ids])
+
+
+class LocalKernel:
+    """A rank's kernel as vLLM's CPU experts are: local ids only (a foreign id raises, as theirs crash)."""
+
+    def __init__(self) -> None:
+        self.rows_seen: list[int] = []
+
+    def run_pairs(self, hidden_states, topk_weights, local_ids, weights):
+        w13, w2 = weights
+        assert local_ids.shape[1] == 1 and int(local_ids.min()) >= 0 and int(local_ids.max()) < w13.shape[0]
+        self.rows_seen.append(hidden_states.shape[0])
+        return silu_moe(hidden_states, w13, w2, topk_weights, local_ids.long())
+
+
+@pytest.fixture
+def rank():
+    """Rank 1 of 2 over 6 global slots: it holds slots 3, 4, 5 as its local 0, 1, 2."""
+    torch.manual_seed(0)
+    w13, w2 = torch.randn(E_GLOBAL, 2 * I, H), torch.randn(E_GLOBAL, H, I)
+    expert_map = torch.tensor([-1, -1, -1, 0, 1, 2], dtype=torch.int32)
+    kernel = LocalKernel()
+    key = "test.rank1.experts"
+    LOCAL_EXPERTS.register(key, kernel)
+    yield key, kernel, expert_map, w13, w2
+    LOCAL_EXPERTS.unregister(key)
+
+
+def routed(tokens: int, k: int = 2):
+    ids = torch.stack([torch.randperm(E_GLOBAL)[:k] for _ in range(tokens)]).to(torch.int32)  # [T, K]
+    return torch.randn(tokens, H), torch.rand(tokens, k), ids
+
+
+def test_sums_exactly_the_local_pairs_and_computes_nothing_else(rank):
+    key, kernel, expert_map, w13, w2 = rank
+    x, weights, ids = routed(12)
+    out = torch.ops.eplb_graph.local_expert_pairs(x, weights, ids, expert_map, [w13[3:], w2[3:]], key)
+    local = ids >= 3
+    expected = silu_moe(x, w13, w2, weights * local, ids.long())  # foreign pairs contribute nothing
+    torch.testing.assert_close(out, expected)
+    assert kernel.rows_seen == [int(local.sum())]  # the kernel ran the local pairs only
+    assert LOCAL_EXPERTS.pairs(key) == int(local.sum()) and LOCAL_EXPERTS.calls(key) == 1
+
+
+def test_two_ranks_together_equal_one_rank_holding_every_expert(rank):
+    key, _kernel, expert_map, w13, w2 = rank
+    x, weights, ids = routed(9)
+    other = LocalKernel()
+    LOCAL_EXPERTS.register("test.rank0.experts", other)
+    try:
+        rank0_map = torch.tensor([0, 1, 2, -1, -1, -1], dtype=torch.int32)
+        rank0 = torch.ops.eplb_graph.local_expert_pairs(x, weights, ids, rank0_map, [w13[:3], w2[:3]],
+                                                        "test.rank0.experts")
+    finally:
+        LOCAL_EXPERTS.unregister("test.rank0.experts")
+    rank1 = torch.ops.eplb_graph.local_expert_pairs(x, weights, ids, expert_map, [w13[3:], w2[3:]], key)
+    torch.testing.assert_close(rank0 + rank1, silu_moe(x, w13, w2, weights, ids.long()))  # what TP's all-reduce sums
+
+
+def test_no_local_pair_gives_zeros_without_calling_the_kernel(rank):
+    key, kernel, expert_map, w13, w2 = rank
+    x, weights = torch.randn(3, H), torch.rand(3, 2)
+    ids = torch.tensor([[0, 1], [2, 0], [1, 2]], dtype=torch.int32)
+    out = torch.ops.eplb_graph.local_expert_pairs(x, weights, ids, expert_map, [w13[3:], w2[3:]], key)
+    assert torch.equal(out, torch.zeros_like(x)) and kernel.rows_seen == []
+
+
+def test_compiled_graph_keeps_the_op_opaque_and_serves_any_routing(rank):
+    key, kernel, expert_map, w13, w2 = rank
+    local_w13, local_w2 = w13[3:], w2[3:]
+
+    def experts(x, weights, ids):
+        return torch.ops.eplb_graph.local_expert_pairs(x, weights, ids, expert_map, [local_w13, local_w2], key) * 2
+
+    compiled = torch.compile(experts, fullgraph=True, backend="aot_eager", dynamic=True)
+    for tokens in (5, 7, 11):  # other token counts, other numbers of local pairs: one graph
+        x, weights, ids = routed(tokens)
+        torch.testing.assert_close(compiled(x, weights, ids), experts(x, weights, ids))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_fake_refuses_a_layer_with_no_kernel_when_the_graph_is_built():
+    def experts(x, weights, ids, expert_map):
+        return torch.ops.eplb_graph.local_expert_pairs(x, weights, ids, expert_map, [], "no.such.layer")
+
+    x, weights, ids = routed(4)
+    with pytest.raises(Exception, match="no live local experts named 'no.such.layer'"):
+        torch.compile(experts, fullgraph=True, backend="aot_eager")(x, weights, ids, torch.zeros(6, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"x": torch.randn(5, H)}, r"hidden_states must be \[T, H\] with T = 4"),
+    ({"weights": torch.rand(4, 3)}, r"topk_weights \(4, 3\) must match topk_ids \(4, 2\)"),
+    ({"expert_map": torch.zeros(6)}, "expert_map must be"),
+    ({"ids": torch.zeros(4, 2)}, "topk_ids must be int32 or int64"),
+])
+def test_bad_arguments_are_named(rank, bad, message):
+    key, kernel, expert_map, w13, w2 = rank
+    x, weights, ids = routed(4)
+    args = {"x": x, "weights": weights, "ids": ids, "expert_map": expert_map, **bad}
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.eplb_graph.local_expert_pairs(args["x"], args["weights"], args["ids"], args["expert_map"],
+                                                [w13, w2], key)
+    assert kernel.rows_seen == []
+
+
+def test_a_key_is_registered_once():
+    kernel = LocalKernel()
+    LOCAL_EXPERTS.register("test.once", kernel)
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            LOCAL_EXPERTS.register("test.once", LocalKernel())
+    finally:
+        LOCAL_EXPERTS.unregister("test.once")
+    assert "test.once" not in LOCAL_EXPERTS

@@ -1,0 +1,109 @@
+"""``LocalPairExperts``: one layer's CPU experts instance bound to run this rank's pairs only.
+
+The experts here stand in for vLLM's by name and by ``apply`` signature (the engine tests run
+vLLM's own, at TP=2 and DP=2: test_engine.py); their kernel crashes on a global id as vLLM's does."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from eplb_graph.custom_ops import LOCAL_EXPERTS
+from eplb_graph.vllm_plugin.local_experts import LocalExpertsError, LocalPairExperts
+from tests.custom_ops.test_local_experts import H, I, silu_moe
+
+
+class CPUUnquantizedExperts:
+    """vLLM's CPU experts' contract: local ids, weights applied, summed over k into ``output``."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, meta, activation):
+        return (0,), (0,), (M, K)
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        assert expert_map is None and int(topk_ids.max()) < w1.shape[0], "the kernel indexes local buffers"
+        self.calls.append(tuple(topk_ids.shape))
+        output.copy_(silu_moe(hidden_states, w1, w2, topk_weights, topk_ids.long()))
+
+
+class X86CPUUnquantizedExperts(CPUUnquantizedExperts):
+    pass
+
+
+def layer(experts) -> SimpleNamespace:
+    return SimpleNamespace(quant_method=SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=experts)),
+                           activation="silu", global_num_experts=4, apply_router_weight_on_input=False)
+
+
+def call(experts, expert_map, w13, w2, x, weights, ids, **overrides):
+    output = torch.empty_like(x)
+    args = {**dict(activation="silu", global_num_experts=4, expert_map=expert_map, a1q_scale=None,
+                   expert_tokens_meta=None, apply_router_weight_on_input=False), **overrides}
+    experts.apply(output, x, w13, w2, weights, ids, args["activation"], args["global_num_experts"],
+                  args["expert_map"], args["a1q_scale"], None, None, None, args["expert_tokens_meta"],
+                  args["apply_router_weight_on_input"])
+    return output
+
+
+@pytest.fixture
+def bound():
+    torch.manual_seed(0)
+    experts = X86CPUUnquantizedExperts()
+    binding = LocalPairExperts(layer(experts), "test.layers.0.experts")
+    yield experts, binding
+    binding.unbind()
+
+
+def test_the_instance_runs_the_local_pairs_through_its_own_upstream_apply(bound):
+    experts, binding = bound
+    w13, w2 = torch.randn(4, 2 * I, H), torch.randn(4, H, I)  # global experts 0..3; this rank holds 2 and 3
+    x, weights = torch.randn(5, H), torch.rand(5, 2)
+    ids = torch.tensor([[0, 2], [3, 1], [2, 3], [0, 1], [3, 0]], dtype=torch.int32)
+    out = call(experts, torch.tensor([-1, -1, 0, 1], dtype=torch.int32), w13[2:], w2[2:], x, weights, ids)
+    torch.testing.assert_close(out, silu_moe(x, w13, w2, weights * (ids >= 2), ids.long()))
+    assert experts.calls == [(5, 1)]  # five local pairs, as top-1 rows: the foreign five cost nothing
+    assert binding.pairs_computed == 5
+
+
+def test_without_an_expert_map_upstream_runs_as_is(bound):
+    experts, _binding = bound
+    w13, w2 = torch.randn(2, 2 * I, H), torch.randn(2, H, I)
+    x, weights, ids = torch.randn(3, H), torch.rand(3, 2), torch.tensor([[0, 1]] * 3, dtype=torch.int32)
+    torch.testing.assert_close(call(experts, None, w13, w2, x, weights, ids), silu_moe(x, w13, w2, weights, ids.long()))
+    assert experts.calls == [(3, 2)]
+
+
+def test_a_call_other_than_bound_is_refused_by_name(bound):
+    experts, _binding = bound
+    w13, w2 = torch.randn(2, 2 * I, H), torch.randn(2, H, I)
+    x, weights, ids = torch.randn(3, H), torch.rand(3, 2), torch.tensor([[0, 1]] * 3, dtype=torch.int32)
+    with pytest.raises(LocalExpertsError, match="test.layers.0.experts: its experts were called with activation=gelu"):
+        call(experts, torch.tensor([0, 1], dtype=torch.int32), w13, w2, x, weights, ids, activation="gelu")
+    with pytest.raises(LocalExpertsError, match="input scales=True"):
+        call(experts, torch.tensor([0, 1], dtype=torch.int32), w13, w2, x, weights, ids, a1q_scale=torch.ones(1))
+    assert experts.calls == []
+
+
+def test_only_the_instance_is_bound_and_unbinding_restores_upstream(bound):
+    experts, binding = bound
+    other = X86CPUUnquantizedExperts()
+    assert "apply" in vars(experts) and "apply" not in vars(other)
+    with pytest.raises(LocalExpertsError, match="already bound"):
+        LocalPairExperts(layer(experts), "test.layers.0.again")
+    binding.unbind()
+    assert "apply" not in vars(experts) and "test.layers.0.experts" not in LOCAL_EXPERTS
+
+
+def test_experts_of_another_class_are_refused_by_name():
+    class TritonExperts:
+        def apply(self, *args):
+            raise AssertionError
+
+    with pytest.raises(LocalExpertsError, match="this layer's experts are TritonExperts"):
+        LocalPairExperts(layer(TritonExperts()), "test.layers.1.experts")
