@@ -3,6 +3,8 @@
     torch.ops.eplb_graph.ep_all_gather(x [T, C], group: str) -> [max_size * T, C]
     torch.ops.eplb_graph.ep_local_slots(physical_ids [R, K], group: str, num_local: int) -> [R, K]
     torch.ops.eplb_graph.ep_sum_own_rows(parts [max_size * T, ...], group: str) -> [T, ...]
+    torch.ops.eplb_graph.ep_all_gatherv(tensors [[sizes[rank], ...]], sizes, group: str) -> [[sum(sizes), ...]]
+    torch.ops.eplb_graph.ep_reduce_scatterv(x [sum(sizes), ...], sizes, group: str) -> [sizes[rank], ...]
 
 A functional collective in a compiled graph bakes its process group's name and size into
 the graph (the all-gather's output shape is size x T), and a layer's EP rank is a Python
@@ -14,6 +16,12 @@ not members with zeros, and ``ep_local_slots`` gives those rows no local expert,
 contributions are exactly zero and the sum over the members is the sum over all ranks.
 
 Each op runs one blocking collective on the slot's gloo group (never several in flight).
+
+The two ``v`` ops serve vLLM's data-parallel MoE dispatch on CPU, whose ranks hold different
+token counts (``sizes``, read from vLLM's forward context): every tensor gathered together gets
+the one output length ``sum(sizes)``, so a graph can prove the gathered hidden states and top-k
+ids have as many rows (traced collectives built per tensor could not). Gloo gathers equal
+chunks, so each rank's rows travel padded to ``max(sizes)``.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ import torch.distributed as dist
 EP_ALL_GATHER_SCHEMA = "ep_all_gather(Tensor x, str group) -> Tensor"
 EP_LOCAL_SLOTS_SCHEMA = "ep_local_slots(Tensor physical_ids, str group, int num_local) -> Tensor"
 EP_SUM_OWN_ROWS_SCHEMA = "ep_sum_own_rows(Tensor parts, str group) -> Tensor"
+EP_ALL_GATHERV_SCHEMA = "ep_all_gatherv(Tensor[] tensors, SymInt[] sizes, str group) -> Tensor[]"
+EP_REDUCE_SCATTERV_SCHEMA = "ep_reduce_scatterv(Tensor x, SymInt[] sizes, str group) -> Tensor"
 
 
 class EpGroupSlot(Protocol):
@@ -115,12 +125,63 @@ def ep_sum_own_rows_fake(parts: torch.Tensor, group: str) -> torch.Tensor:
     return parts.new_empty((rows, *parts.shape[1:]))
 
 
+def check_sizes(sizes: list[int], size: int, rank: int, rows: int) -> None:
+    if len(sizes) != size:
+        raise RuntimeError(f"sizes {list(sizes)} must name each of the group's {size} ranks")
+    if isinstance(rows, int) and isinstance(sizes[rank], int) and sizes[rank] != rows:
+        raise RuntimeError(f"rank {rank} holds {rows} rows, but sizes {list(sizes)} say {sizes[rank]}")
+
+
+def ep_all_gatherv(tensors: list[torch.Tensor], sizes: list[int], group: str) -> list[torch.Tensor]:
+    """Each tensor's rows from every rank, in rank order: [sizes[rank], ...] -> [sum(sizes), ...]."""
+    pg, rank, size = EP_GROUPS.resolve(group).current()
+    gathered = []
+    for x in tensors:
+        check_sizes(sizes, size, rank, x.shape[0])
+        if pg is None:
+            gathered.append(x.clone())
+            continue
+        most = max(sizes)
+        padded = x.new_zeros((most, *x.shape[1:]))  # [max(sizes), ...]
+        padded[: x.shape[0]] = x
+        chunks = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(chunks, padded, group=pg)
+        gathered.append(torch.cat([chunk[:rows] for chunk, rows in zip(chunks, sizes)]))
+    return gathered
+
+
+def ep_all_gatherv_fake(tensors: list[torch.Tensor], sizes: list[int], group: str) -> list[torch.Tensor]:
+    EP_GROUPS.resolve(group)
+    total = sum(sizes)
+    return [x.new_empty((total, *x.shape[1:])) for x in tensors]
+
+
+def ep_reduce_scatterv(x: torch.Tensor, sizes: list[int], group: str) -> torch.Tensor:
+    """The ranks' sum of ``x`` [sum(sizes), ...], this rank's ``sizes[rank]`` rows of it."""
+    pg, rank, size = EP_GROUPS.resolve(group).current()
+    check_sizes(sizes, size, rank, None)
+    if x.shape[0] != sum(sizes):
+        raise RuntimeError(f"reduce_scatterv of {x.shape[0]} rows, but sizes {list(sizes)} sum to {sum(sizes)}")
+    total = x.contiguous().clone()
+    if pg is not None:
+        dist.all_reduce(total, group=pg)
+    start = sum(sizes[:rank])
+    return total[start : start + sizes[rank]].clone()
+
+
+def ep_reduce_scatterv_fake(x: torch.Tensor, sizes: list[int], group: str) -> torch.Tensor:
+    _, rank, _ = EP_GROUPS.resolve(group).current()
+    return x.new_empty((sizes[rank], *x.shape[1:]))
+
+
 def register(lib: torch.library.Library, namespace: str) -> None:
-    """The three ops, one kernel for every device: each calls the slot's own process group."""
+    """The ops, one kernel for every device: each calls the slot's own process group."""
     for schema, name, kernel, fake in (
         (EP_ALL_GATHER_SCHEMA, "ep_all_gather", ep_all_gather, ep_all_gather_fake),
         (EP_LOCAL_SLOTS_SCHEMA, "ep_local_slots", ep_local_slots, ep_local_slots_fake),
         (EP_SUM_OWN_ROWS_SCHEMA, "ep_sum_own_rows", ep_sum_own_rows, ep_sum_own_rows_fake),
+        (EP_ALL_GATHERV_SCHEMA, "ep_all_gatherv", ep_all_gatherv, ep_all_gatherv_fake),
+        (EP_REDUCE_SCATTERV_SCHEMA, "ep_reduce_scatterv", ep_reduce_scatterv, ep_reduce_scatterv_fake),
     ):
         lib.define(schema)
         lib.impl(name, kernel, "CompositeExplicitAutograd")

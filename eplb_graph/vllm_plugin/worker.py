@@ -29,6 +29,7 @@ from eplb_graph.upstream.watchdog import stall_bound_from_env
 
 from . import router_adapter
 from .compile_watch import CompileWatch
+from .dp_dispatch import bind_dp_dispatch
 from .expert_views import ExpertWeightView, complete_move_list
 from .layers import GRAPH_PASS, ROUTER_ADAPTER, VllmMoELayer
 from .local_experts import LocalPairExperts, pair_experts_class
@@ -107,6 +108,8 @@ class VllmEplbWorker:
         paths = {id(module): name for name, module in runner.model.named_modules()}
         roots = compiled_roots(runner.model)
         compilation_config = runner.vllm_config.compilation_config
+        # on CPU under DP, vLLM's token dispatch gets the collectives its communicator lacks (dp_dispatch.py)
+        self.dp_dispatch = bind_dp_dispatch(parallel_config) if torch.device(runner.device).type == "cpu" else None
         self.expert_views: dict[str, ExpertWeightView] = {}
         # on CPU under expert parallel, each layer's experts run this rank's pairs only (local_experts.py)
         self.local_experts: dict[str, LocalPairExperts] = {}
@@ -261,5 +264,8 @@ def log_active(worker: VllmEplbWorker) -> str:
         classes = sorted({pair_experts_class(experts.experts) for experts in worker.local_experts.values()})
         line += (f"; expert parallel rank {worker.ep_rank} of {worker.ep_size}: each layer's {', '.join(classes)} "
                  f"compute this rank's (token, k) pairs only (eplb_graph::local_expert_pairs)")
+    if worker.dp_dispatch is not None:
+        line += (f"; DP tokens dispatched over {worker.dp_dispatch.slot.max_size} ranks by "
+                 f"eplb_graph::ep_all_gatherv / ep_reduce_scatterv")
     vllm_logger().info(line)
     return line

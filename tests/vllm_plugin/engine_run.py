@@ -53,12 +53,19 @@ def main() -> int:
     parser.add_argument("--hide-scales-from-upstream", action="store_true")
     parser.add_argument("--no-derived-moves", action="store_true")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (expert parallel over as many workers)")
+    parser.add_argument("--dp", nargs=3, type=int, metavar=("RANK", "SIZE", "PORT"),
+                        help="one rank of vLLM's offline data parallel (one process per rank): its share of the prompts")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of worker_state, a function
     if args.tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(core) for core in range(args.tp)))
+    if args.dp:  # vLLM's offline data parallel: ranks from the environment
+        rank, size, port = args.dp
+        os.environ.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE=str(size),
+                          VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(core) for core in range(size)))
     if not args.engine_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
@@ -95,6 +102,8 @@ def main() -> int:
         )
     llm = LLM(**kwargs)
     prompts = [TokensPrompt(prompt_token_ids=[5 + i, 17 * i % 500 + 3, 40 + 3 * i, 7]) for i in range(args.prompts)]
+    if args.dp:
+        prompts = prompts[args.dp[0] :: args.dp[1]]
     sampling = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     if args.engine_process:
         outputs = llm.generate(prompts, sampling, use_tqdm=False)
