@@ -18,6 +18,7 @@ graph states what it depends on.
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Protocol
 
@@ -41,12 +42,15 @@ class PairKernel(Protocol):
 
 class LocalExpertsRegistry:
     """Layer key -> its live ``PairKernel`` (weakly held: a graph naming a dead layer fails by name),
-    with the pairs each layer computed, so a caller can prove foreign pairs cost nothing."""
+    with the pairs each layer computed and the seconds its kernel took (a CPU kernel: the host
+    clock sees its whole run), so a caller can prove foreign pairs cost nothing and see what a
+    rank's share of the experts costs it."""
 
     def __init__(self) -> None:
         self._kernels: dict[str, weakref.ReferenceType] = {}
         self._pairs: dict[str, int] = {}
         self._calls: dict[str, int] = {}
+        self._seconds: dict[str, float] = {}
 
     def register(self, key: str, kernel: PairKernel) -> None:
         existing = self._kernels.get(key)
@@ -54,6 +58,7 @@ class LocalExpertsRegistry:
             raise ValueError(f"local experts of layer {key!r} are already registered")
         self._kernels[key] = weakref.ref(kernel)
         self._pairs[key] = self._calls[key] = 0
+        self._seconds[key] = 0.0
 
     def unregister(self, key: str) -> None:
         self._kernels.pop(key, None)
@@ -65,9 +70,10 @@ class LocalExpertsRegistry:
             raise KeyError(f"no live local experts named {key!r} (known: {sorted(self._kernels)[:8]})")
         return kernel
 
-    def count(self, key: str, pairs: int) -> None:
+    def count(self, key: str, pairs: int, seconds: float) -> None:
         self._pairs[key] += pairs
         self._calls[key] += 1
+        self._seconds[key] += seconds
 
     def pairs(self, key: str) -> int:
         """(token, k) pairs the layer's kernel computed since it was registered."""
@@ -75,6 +81,10 @@ class LocalExpertsRegistry:
 
     def calls(self, key: str) -> int:
         return self._calls.get(key, 0)
+
+    def seconds(self, key: str) -> float:
+        """Seconds the layer's kernel ran (compaction and scatter-add not included)."""
+        return self._seconds.get(key, 0.0)
 
     def __contains__(self, key: str) -> bool:
         ref = self._kernels.get(key)
@@ -104,16 +114,16 @@ def local_expert_pairs_kernel(hidden_states: torch.Tensor, topk_weights: torch.T
     kernel = LOCAL_EXPERTS.resolve(layer)
     local = expert_map[topk_ids.long()]  # [T, K] local slot, -1 where another rank holds it
     token, slot = (local >= 0).nonzero(as_tuple=True)  # [P], [P]: local pairs, token-major
-    LOCAL_EXPERTS.count(layer, int(token.numel()))
     output = torch.zeros_like(hidden_states)  # [T, H]
     if token.numel() == 0:
+        LOCAL_EXPERTS.count(layer, 0, 0.0)
         return output
-    rows = kernel.run_pairs(
-        hidden_states.index_select(0, token),  # [P, H]
-        topk_weights[token, slot].unsqueeze(1),  # [P, 1]
-        local[token, slot].unsqueeze(1).to(topk_ids.dtype),  # [P, 1]
-        weights,
-    )
+    pair_hidden = hidden_states.index_select(0, token)  # [P, H]
+    pair_weights = topk_weights[token, slot].unsqueeze(1)  # [P, 1]
+    pair_ids = local[token, slot].unsqueeze(1).to(topk_ids.dtype)  # [P, 1]
+    start = time.perf_counter()
+    rows = kernel.run_pairs(pair_hidden, pair_weights, pair_ids, weights)
+    LOCAL_EXPERTS.count(layer, int(token.numel()), time.perf_counter() - start)
     return output.index_add_(0, token, rows.to(output.dtype))
 
 

@@ -61,6 +61,10 @@ class LocalPairExperts:
     def pairs_computed(self) -> int:
         return LOCAL_EXPERTS.pairs(self.key)
 
+    @property
+    def kernel_seconds(self) -> float:
+        return LOCAL_EXPERTS.seconds(self.key)
+
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
               apply_router_weight_on_input) -> None:

@@ -225,6 +225,7 @@ class VllmEplbWorker:
             "expert_views": {name: view.summary() for name, view in self.expert_views.items()},
             # (token, k) pairs this rank's experts computed, per layer (only its own: local_experts.py)
             "local_pairs_computed": {key: experts.pairs_computed for key, experts in self.local_experts.items()},
+            "local_expert_seconds": sum(experts.kernel_seconds for experts in self.local_experts.values()),
             # tokens per physical expert upstream holds in its window (what the policy sees)
             "load_window_total": sum(int(s.expert_load_window.sum()) for s in self.runner.eplb_state.model_states.values()),
             "ep_rank": self.ep_rank,

@@ -1,0 +1,129 @@
+"""``VariableSizeCollectives``: the DP group's CPU communicator given ``all_gatherv`` / ``reduce_scatterv``.
+
+In one process: a coordinator of one DP rank (no process group) stands in for vLLM's DP group,
+with a communicator named as vLLM's CPU one; the ops over two gloo ranks are tested in
+``tests/custom_ops/test_ep_collectives.py``, vLLM's own DP=2 engine in ``test_engine.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from eplb_graph.custom_ops import EP_GROUPS
+from eplb_graph.vllm_plugin.dp_dispatch import DpDispatchError, VariableSizeCollectives, bind_dp_dispatch
+
+
+class CpuCommunicator:
+    """vLLM's CPU communicator by name: a device group, neither variable-size collective."""
+
+    def __init__(self) -> None:
+        self.device_group = None
+
+
+class CudaCommunicator(CpuCommunicator):
+    """Any other communicator: refused whatever it holds."""
+
+
+def coordinator(communicator=None, name: str = "dp-test"):
+    """vLLM's ``GroupCoordinator`` as the binding reads it: one rank, so no process group."""
+    return SimpleNamespace(device_communicator=communicator or CpuCommunicator(), unique_name=name,
+                           rank_in_group=0, world_size=1)
+
+
+@pytest.fixture
+def bound():
+    group = coordinator()
+    collectives = VariableSizeCollectives(group, "vllm:dp-test")
+    yield group.device_communicator, collectives
+    collectives.unbind()
+
+
+def test_a_list_gathers_to_a_list_and_a_tensor_to_a_tensor(bound):
+    communicator, _ = bound
+    hidden, ids = torch.randn(3, 4), torch.arange(6, dtype=torch.int32).view(3, 2)
+    gathered = communicator.all_gatherv([hidden, ids], dim=0, sizes=[3])
+    assert isinstance(gathered, list) and len(gathered) == 2
+    assert torch.equal(gathered[0], hidden) and torch.equal(gathered[1], ids)
+    one = communicator.all_gatherv(hidden, 0, [3])
+    assert isinstance(one, torch.Tensor) and torch.equal(one, hidden)
+    assert torch.equal(communicator.all_gatherv(hidden), hidden)  # no sizes: every rank holds as many rows
+    own = communicator.reduce_scatterv(hidden, dim=0, sizes=[3])
+    assert isinstance(own, torch.Tensor) and torch.equal(own, hidden)
+    assert torch.equal(communicator.reduce_scatterv(hidden, 0), hidden)
+
+
+def test_a_dim_other_than_the_token_rows_is_refused_by_name(bound):
+    communicator, _ = bound
+    x = torch.ones(3, 4)
+    with pytest.raises(DpDispatchError, match="all_gatherv along dim 1"):
+        communicator.all_gatherv([x], dim=1, sizes=[3])
+    with pytest.raises(DpDispatchError, match="reduce_scatterv along dim -1"):
+        communicator.reduce_scatterv(x, sizes=[3])  # upstream's default dim: the last
+    with pytest.raises(DpDispatchError, match="reduce_scatterv along dim 1"):
+        communicator.reduce_scatterv(x, dim=1, sizes=[3])
+
+
+def test_sizes_the_op_refuses_reach_the_caller(bound):
+    communicator, _ = bound
+    with pytest.raises(RuntimeError, match="must name each of the group's 1 ranks"):
+        communicator.all_gatherv([torch.ones(3, 4)], dim=0, sizes=[3, 3])
+
+
+def test_a_communicator_other_than_the_cpu_one_is_refused_by_name():
+    group = coordinator(CudaCommunicator(), name="dp-cuda")
+    with pytest.raises(DpDispatchError, match="group dp-cuda: .*CpuCommunicator, this group has CudaCommunicator"):
+        VariableSizeCollectives(group, "vllm:dp-cuda")
+    assert "all_gatherv" not in vars(group.device_communicator)
+    with pytest.raises(KeyError):
+        EP_GROUPS.resolve("vllm:dp-cuda")
+
+
+def test_binding_twice_is_refused(bound):
+    communicator, collectives = bound
+    again = SimpleNamespace(device_communicator=communicator, unique_name="dp-test", rank_in_group=0, world_size=1)
+    with pytest.raises(DpDispatchError, match="group dp-test: its variable-size collectives are already bound"):
+        VariableSizeCollectives(again, "vllm:dp-test-again")
+    with pytest.raises(KeyError):
+        EP_GROUPS.resolve("vllm:dp-test-again")  # nothing registered by the refused binding
+    assert communicator.all_gatherv.__self__ is collectives  # the first binding serves on
+
+
+def test_unbinding_restores_the_communicator_and_frees_the_name():
+    group = coordinator()
+    communicator = group.device_communicator
+    collectives = VariableSizeCollectives(group, "vllm:dp-unbind")
+    assert EP_GROUPS.resolve("vllm:dp-unbind") is collectives.slot
+    assert {"all_gatherv", "reduce_scatterv"} <= set(vars(communicator))
+    collectives.unbind()
+    assert "all_gatherv" not in vars(communicator) and "reduce_scatterv" not in vars(communicator)
+    assert not hasattr(communicator, "all_gatherv")  # the class's own (here: none) is what is left
+    with pytest.raises(KeyError, match="no live EP group named 'vllm:dp-unbind'"):
+        EP_GROUPS.resolve("vllm:dp-unbind")
+    VariableSizeCollectives(group, "vllm:dp-unbind").unbind()  # and it can be bound again
+
+
+def test_a_compiled_dispatch_reads_token_counts_from_a_tensor_in_one_graph(bound, monkeypatch):
+    """vLLM's sizes come from its forward context's tensors: data-dependent in the graph."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    communicator, _ = bound
+
+    def dispatch(hidden, ids, counts):
+        gathered_hidden, gathered_ids = communicator.all_gatherv([hidden, ids], dim=0, sizes=counts.tolist())
+        assert gathered_hidden.shape[0] == gathered_ids.shape[0]
+        return communicator.reduce_scatterv(gathered_hidden * 2, dim=0, sizes=counts.tolist()), gathered_ids
+
+    compiled = torch.compile(dispatch, backend="aot_eager", fullgraph=True)
+    hidden, ids = torch.randn(3, 4), torch.arange(6, dtype=torch.int32).view(3, 2)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    combined, gathered_ids = compiled(hidden, ids, torch.tensor([3]))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+    assert torch.equal(combined, hidden * 2) and torch.equal(gathered_ids, ids)
+
+
+def test_one_dp_rank_binds_nothing_and_never_reads_vllms_distributed_state(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", None)  # importing it would raise
+    assert bind_dp_dispatch(SimpleNamespace(data_parallel_size=1)) is None
