@@ -53,6 +53,28 @@ calls, its experts classes, its EPLB and our views all run, on the stand-ins' la
 not prove vLLM's C++ kernels, their packed layouts or their AMX path.
 """
 
+PARALLEL_NOTES = """\
+## Parallel layouts in the vLLM plugin
+
+With `enable_eplb=True` on vLLM's CPU engine, expert parallel runs over the tensor- and
+data-parallel workers (EP size = TP x DP). vLLM 0.32's CPU experts drop the expert map they are
+given (a worker's kernel indexes its experts with global ids); the plugin binds each layer's
+experts *instance* to `eplb_graph::local_expert_pairs`, which hands vLLM's own kernel only the
+(token, k) pairs routed to that rank's slots: a pair routed elsewhere costs the rank nothing
+(`eplb_graph/vllm_plugin/local_experts.py`). Under DP, vLLM's all-gather / reduce-scatter token
+dispatch calls two collectives vLLM's CPU communicator lacks; the plugin gives the DP group's
+communicator instance `eplb_graph::ep_all_gatherv` / `ep_reduce_scatterv` over its gloo group
+(`eplb_graph/vllm_plugin/dp_dispatch.py`). Each worker's `eplb-graph active` line names both.
+
+| layout | how it is launched | on vLLM's CPU engine here |
+| --- | --- | --- |
+| one worker (EP 1, redundant slots) | `LLM(...)`, `api_server` | tested: engine, server (unquantized, FP8, int4) |
+| TP=2 + EP | `LLM(tensor_parallel_size=2, ...)`, `api_server --tensor-parallel-size 2`; needs `VLLM_CPU_OMP_THREADS_BIND` (`0\\|1`) | tested: engine compiled and eager, server; experts move between the workers |
+| DP=2 + EP | `api_server --data-parallel-size 2` (one engine core per DP rank); offline, vLLM's SPMD launch (one `LLM` per rank with `VLLM_DP_RANK`, `VLLM_DP_SIZE`, `VLLM_DP_MASTER_PORT`): `LLM(data_parallel_size=2)` is refused by vLLM itself | tested: server, offline engine, compiled |
+| more than 2 ranks, TP x DP mixed | as above | not tested: these machines have 2 cores, one per worker |
+| prefill context parallel | - | refused by name at start |
+"""
+
 ROUTER_NOTES = """\
 ## How each kind of router is handled
 
@@ -148,7 +170,7 @@ def markdown(rows: list[dict], backends: tuple[str, ...], versions: dict[str, st
         cells = [row["family"], f"`{row.get('model_class', '')}`" if row.get("model_class") else "", row.get("router", ""),
                  row.get("implementation", ""), mapped_cell(row), *(diff_cell(row, b) for b in backends), result]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\n" + ROUTER_NOTES + "\n" + QUANTIZATION_NOTES
+    return "\n".join(lines) + "\n\n" + ROUTER_NOTES + "\n" + QUANTIZATION_NOTES + "\n" + PARALLEL_NOTES
 
 
 def main() -> int:

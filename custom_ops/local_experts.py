@@ -49,6 +49,7 @@ class LocalExpertsRegistry:
     def __init__(self) -> None:
         self._kernels: dict[str, weakref.ReferenceType] = {}
         self._pairs: dict[str, int] = {}
+        self._seen: dict[str, int] = {}
         self._calls: dict[str, int] = {}
         self._seconds: dict[str, float] = {}
 
@@ -57,7 +58,7 @@ class LocalExpertsRegistry:
         if existing is not None and existing() is not None and existing() is not kernel:
             raise ValueError(f"local experts of layer {key!r} are already registered")
         self._kernels[key] = weakref.ref(kernel)
-        self._pairs[key] = self._calls[key] = 0
+        self._pairs[key] = self._seen[key] = self._calls[key] = 0
         self._seconds[key] = 0.0
 
     def unregister(self, key: str) -> None:
@@ -70,14 +71,19 @@ class LocalExpertsRegistry:
             raise KeyError(f"no live local experts named {key!r} (known: {sorted(self._kernels)[:8]})")
         return kernel
 
-    def count(self, key: str, pairs: int, seconds: float) -> None:
+    def count(self, key: str, pairs: int, seen: int, seconds: float) -> None:
         self._pairs[key] += pairs
+        self._seen[key] += seen
         self._calls[key] += 1
         self._seconds[key] += seconds
 
     def pairs(self, key: str) -> int:
         """(token, k) pairs the layer's kernel computed since it was registered."""
         return self._pairs.get(key, 0)
+
+    def pairs_seen(self, key: str) -> int:
+        """(token, k) pairs routed to any rank that the layer's calls received."""
+        return self._seen.get(key, 0)
 
     def calls(self, key: str) -> int:
         return self._calls.get(key, 0)
@@ -116,14 +122,14 @@ def local_expert_pairs_kernel(hidden_states: torch.Tensor, topk_weights: torch.T
     token, slot = (local >= 0).nonzero(as_tuple=True)  # [P], [P]: local pairs, token-major
     output = torch.zeros_like(hidden_states)  # [T, H]
     if token.numel() == 0:
-        LOCAL_EXPERTS.count(layer, 0, 0.0)
+        LOCAL_EXPERTS.count(layer, 0, topk_ids.numel(), 0.0)
         return output
     pair_hidden = hidden_states.index_select(0, token)  # [P, H]
     pair_weights = topk_weights[token, slot].unsqueeze(1)  # [P, 1]
     pair_ids = local[token, slot].unsqueeze(1).to(topk_ids.dtype)  # [P, 1]
     start = time.perf_counter()
     rows = kernel.run_pairs(pair_hidden, pair_weights, pair_ids, weights)
-    LOCAL_EXPERTS.count(layer, int(token.numel()), time.perf_counter() - start)
+    LOCAL_EXPERTS.count(layer, int(token.numel()), topk_ids.numel(), time.perf_counter() - start)
     return output.index_add_(0, token, rows.to(output.dtype))
 
 

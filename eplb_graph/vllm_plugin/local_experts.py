@@ -62,6 +62,10 @@ class LocalPairExperts:
         return LOCAL_EXPERTS.pairs(self.key)
 
     @property
+    def pairs_seen(self) -> int:
+        return LOCAL_EXPERTS.pairs_seen(self.key)
+
+    @property
     def kernel_seconds(self) -> float:
         return LOCAL_EXPERTS.seconds(self.key)
 

@@ -145,6 +145,7 @@ class VllmEplbWorker:
         self.compile_watch: CompileWatch | None = None
         if watched:
             self.compile_watch = CompileWatch(lambda: sum(layer.graph_mappings for layer in watched), vllm_logger())
+        self.rearrangements_logged = 0
         self._wrap_runner_steps()
         if self.built_upstream_state and runner.eplb_state.is_async:
             runner.eplb_state.start_async_loop()
@@ -177,6 +178,8 @@ class VllmEplbWorker:
                 self.compile_watch.check()
             in_flight = any(state.rebalanced for state in runner.eplb_state.model_states.values())
             self.binding.after_step(in_flight=in_flight, where=f"of vLLM runner on {runner.device}")
+            if self.stats.rearrangements_finished > self.rearrangements_logged:
+                self.log_rearrangement()
 
         runner.eplb_step = eplb_step
         if upstream_warm_up is not None:
@@ -188,6 +191,15 @@ class VllmEplbWorker:
                 return result
 
             runner.warming_up_model = warming_up_model
+
+    def log_rearrangement(self) -> None:
+        """One line per rearrangement fully committed on this worker: what it moved, so far."""
+        self.rearrangements_logged = self.stats.rearrangements_finished
+        sent, received = self.bytes_moved()
+        vllm_logger().info(
+            "eplb-graph: rearrangement %d committed on EP rank %d of %d (%d layer commits so far); expert bytes "
+            "sent %d, received %d so far", self.rearrangements_logged, self.ep_rank, self.ep_size,
+            self.stats.layers_committed, sent, received)
 
     def check_worker(self) -> None:
         self.binding.check_worker(f"of vLLM runner on {self.runner.device}")
@@ -225,16 +237,22 @@ class VllmEplbWorker:
             "expert_views": {name: view.summary() for name, view in self.expert_views.items()},
             # (token, k) pairs this rank's experts computed, per layer (only its own: local_experts.py)
             "local_pairs_computed": {key: experts.pairs_computed for key, experts in self.local_experts.items()},
+            "pairs_seen": {key: experts.pairs_seen for key, experts in self.local_experts.items()},
             "local_expert_seconds": sum(experts.kernel_seconds for experts in self.local_experts.values()),
             # tokens per physical expert upstream holds in its window (what the policy sees)
             "load_window_total": sum(int(s.expert_load_window.sum()) for s in self.runner.eplb_state.model_states.values()),
             "ep_rank": self.ep_rank,
             "ep_size": self.ep_size,
             # expert bytes this rank's mover sent to and received from other EP ranks
-            "bytes_sent": sum(getattr(s.communicator, "bytes_sent", 0) for s in self.runner.eplb_state.model_states.values()),
-            "bytes_received": sum(getattr(s.communicator, "bytes_received", 0)
-                                  for s in self.runner.eplb_state.model_states.values()),
+            "bytes_sent": self.bytes_moved()[0],
+            "bytes_received": self.bytes_moved()[1],
         }
+
+    def bytes_moved(self) -> tuple[int, int]:
+        """Expert bytes this rank's movers sent to and received from other EP ranks (our mover counts them)."""
+        states = self.runner.eplb_state.model_states.values()
+        return (sum(getattr(state.communicator, "bytes_sent", 0) for state in states),
+                sum(getattr(state.communicator, "bytes_received", 0) for state in states))
 
     def slot_digests(self) -> dict[str, list[str]]:
         """Per layer, a digest of each local slot's expert storage (all it moves), for checking

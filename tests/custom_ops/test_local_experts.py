@@ -56,6 +56,7 @@ def test_sums_exactly_the_local_pairs_and_computes_nothing_else(rank):
     torch.testing.assert_close(out, expected)
     assert kernel.rows_seen == [int(local.sum())]  # the kernel ran the local pairs only
     assert LOCAL_EXPERTS.pairs(key) == int(local.sum()) and LOCAL_EXPERTS.calls(key) == 1
+    assert LOCAL_EXPERTS.pairs_seen(key) == ids.numel() and LOCAL_EXPERTS.seconds(key) > 0
 
 
 def test_two_ranks_together_equal_one_rank_holding_every_expert(rank):

@@ -1,11 +1,11 @@
 """vLLM's own engine (CPU build 0.32.0) with the plugin installed, end to end.
 
 One process, compiled (vLLM's CPU Inductor path) and eager, EPLB on and off, a tiny
-random-weight Qwen3-MoE with 8 experts, top-2, 4 redundant slots, window 4, interval 8.
-Expert parallel over 2 processes is not used: vLLM's CPU fused-MoE kernel ignores the
-expert map and crashes under EP > 1 (the config gate refuses it, see test_config_gate.py),
-so placement changes here move experts between slots of one process; cross-process
-movement is proven by our own runtime's tests (tests/runtime/test_controller.py).
+random-weight Qwen3-MoE with 8 experts, top-2, 4 redundant slots, window 4, interval 8; and
+expert parallel over two worker processes: TP=2 (compiled and eager) and DP=2 (vLLM's offline
+data parallel, one process per rank, compiled), where experts move between the workers and each
+rank computes only the pairs routed to its own slots. Every multi-process run is compared with
+the one-process EPLB-off run.
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ RUNS = {
     "eager_off": ["--eplb", "off", "--mode", "eager"],
     "eager_on": ["--eplb", "on", "--mode", "eager"],
     "engine_process_on": ["--eplb", "on", "--mode", "compiled", "--engine-process"],
+    "tp2_compiled_on": ["--eplb", "on", "--mode", "compiled", "--tp", "2"],
+    "tp2_eager_on": ["--eplb", "on", "--mode", "eager", "--tp", "2"],
+    # the two ranks of one DP=2 engine start together (run_in_pairs); the port is filled in by ``runs``
+    "dp2_rank0": ["--eplb", "on", "--mode", "compiled", "--dp", "0", "2", "{port}"],
+    "dp2_rank1": ["--eplb", "on", "--mode", "compiled", "--dp", "1", "2", "{port}"],
 }
+MULTI_PROCESS = {"tp2_compiled": ["tp2_compiled_on"], "tp2_eager": ["tp2_eager_on"], "dp2": ["dp2_rank0", "dp2_rank1"]}
 INITIAL_PLACEMENT = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]  # upstream's: logical ids, then round-robin
 
 
@@ -52,22 +58,28 @@ def result_of(process: subprocess.Popen, name: str) -> dict:
     assert process.returncode == 0 and lines, f"{name} failed:\n{output[-6000:]}"
     # upstream's own log line, from whichever process ran the worker
     return {**json.loads(lines[-1].split(" ", 1)[1]), "upstream_rearrangements_logged": output.count(
-        "Rearranging experts (async mode) ...")}
+        "Rearranging experts (async mode) ..."),
+        "active_lines": [line for line in output.splitlines() if "eplb-graph active on" in line]}
 
 
 def run_in_pairs(runs: dict[str, list[str]], workdir: Path) -> dict[str, dict]:
-    """Two engines at a time, one per core of these machines."""
+    """Two engines at a time, one per core of these machines; the ranks of one DP engine together."""
     results = {}
-    names = list(runs)
-    for start in range(0, len(names), 2):
-        processes = {name: launch(runs[name], workdir) for name in names[start : start + 2]}
+    names = [name for name in runs if name not in MULTI_PROCESS["dp2"]]
+    batches = [names[start : start + 2] for start in range(0, len(names), 2)]
+    for batch in [*batches, MULTI_PROCESS["dp2"]]:
+        processes = {name: launch(runs[name], workdir) for name in batch if name in runs}
         results.update({name: result_of(process, name) for name, process in processes.items()})
     return results
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
-    return run_in_pairs(RUNS, tmp_path_factory.mktemp("engine"))
+    from tests.vllm_plugin.test_server import free_port
+
+    port = str(free_port())
+    runs = {name: [port if arg == "{port}" else arg for arg in args] for name, args in RUNS.items()}
+    return run_in_pairs(runs, tmp_path_factory.mktemp("engine"))
 
 
 def test_greedy_tokens_are_identical_with_eplb_on_and_off(runs):
@@ -122,3 +134,94 @@ def test_the_default_separate_engine_process_works_the_same(runs):
     run = runs["engine_process_on"]
     assert run["tokens"] == runs["compiled_off"]["tokens"]
     assert run["upstream_rearrangements_logged"] >= 3
+
+
+def workers_of(runs, layout: str) -> list[dict]:
+    """Every worker of a multi-process run: {"before": summary after start, "after": after generation}."""
+    return [worker for name in MULTI_PROCESS[layout] for worker in runs[name]["workers"]]
+
+
+@pytest.mark.parametrize("layout, reference", [("tp2_compiled", "compiled_off"), ("tp2_eager", "eager_off"),
+                                               ("dp2", "compiled_off")])
+def test_expert_parallel_over_two_workers_gives_the_tokens_of_one_process_without_eplb(runs, layout, reference):
+    expected = runs[reference]["tokens"]
+    if layout == "dp2":  # each DP rank served every second prompt
+        assert runs["dp2_rank0"]["tokens"] == expected[0::2] and runs["dp2_rank1"]["tokens"] == expected[1::2]
+    else:
+        assert runs[MULTI_PROCESS[layout][0]]["tokens"] == expected
+    workers = workers_of(runs, layout)
+    assert sorted(w["after"]["ep_rank"] for w in workers) == [0, 1] and {w["after"]["ep_size"] for w in workers} == {2}
+
+
+@pytest.mark.parametrize("layout", list(MULTI_PROCESS))
+def test_experts_move_between_the_workers(runs, layout):
+    workers = [w["after"] for w in workers_of(runs, layout)]
+    for worker in workers:
+        assert worker["rearrangements_committed"] >= 3 and worker["worker_error"] is None
+        assert worker["bytes_sent"] > 0 and worker["bytes_received"] > 0  # through GlooStagedCommunicator
+    assert sum(w["bytes_sent"] for w in workers) == sum(w["bytes_received"] for w in workers)
+
+
+@pytest.mark.parametrize("layout", list(MULTI_PROCESS))
+def test_every_slot_holds_the_expert_its_committed_placement_names(runs, layout):
+    """Digests of each slot's expert bytes at start (upstream's initial placement, which puts every
+    logical expert on some rank) name each expert; after generation every slot of every rank holds
+    the expert the committed placement names."""
+    workers = workers_of(runs, layout)
+    expert_digest: dict[str, dict[int, str]] = {}
+    for worker in workers:
+        before = worker["before"]
+        assert before["rearrangements_committed"] == 0
+        local = len(next(iter(before["slot_digests"].values())))
+        for key, digests in before["slot_digests"].items():
+            placement = before["layers"][key]["placement"]
+            for slot, digest in enumerate(digests):
+                expert = placement[before["ep_rank"] * local + slot]
+                assert expert_digest.setdefault(key, {}).setdefault(expert, digest) == digest, (key, expert)
+    assert all(len(experts) == 8 for experts in expert_digest.values())  # every logical expert, distinct bytes
+    moved = 0
+    for worker in workers:
+        after = worker["after"]
+        local = len(next(iter(after["slot_digests"].values())))
+        for key, digests in after["slot_digests"].items():
+            placement = after["layers"][key]["placement"]
+            mine = placement[after["ep_rank"] * local : (after["ep_rank"] + 1) * local]
+            assert digests == [expert_digest[key][expert] for expert in mine], key
+            moved += mine != worker["before"]["layers"][key]["placement"][after["ep_rank"] * local :][:local]
+    assert moved >= 1  # some rank's slots hold other experts than at start
+
+
+@pytest.mark.parametrize("layout", list(MULTI_PROCESS))
+def test_each_rank_computes_only_the_pairs_routed_to_its_slots(runs, layout):
+    """Both ranks see every (token, k) pair of a batch (TP: replicated tokens; DP: gathered ones);
+    each computes only its own, and together they compute each pair exactly once."""
+    workers = [w["after"] for w in workers_of(runs, layout)]
+    for key in workers[0]["local_pairs_computed"]:
+        seen = {w["pairs_seen"][key] for w in workers}
+        assert len(seen) == 1, key
+        computed = [w["local_pairs_computed"][key] for w in workers]
+        assert sum(computed) == seen.pop() and min(computed) > 0, key
+
+
+@pytest.mark.parametrize("layout", list(MULTI_PROCESS))
+def test_no_model_graph_is_compiled_while_the_workers_serve(runs, layout):
+    for name in MULTI_PROCESS[layout]:
+        if layout != "tp2_eager":  # eager: no model graph (vLLM's own small compiled helpers may still compile)
+            assert runs[name]["recompiles_after_warm_up"] == 0, name
+        assert runs[name]["pass_runs_after_warm_up"] == 0, name
+        for worker in runs[name]["workers"]:
+            expected = None if layout == "tp2_eager" else 0  # eager: nothing the pass maps, nothing to watch
+            assert worker["after"]["graphs_compiled_while_serving"] == expected, name
+            mechanism = "router_adapter" if layout == "tp2_eager" else "graph_pass"
+            assert set(worker["after"]["mapping"].values()) == {mechanism}, name
+
+
+@pytest.mark.parametrize("layout", list(MULTI_PROCESS))
+def test_each_worker_names_what_it_adapts_in_its_active_line(runs, layout):
+    lines = [line for name in MULTI_PROCESS[layout] for line in runs[name]["active_lines"]]
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert "expert parallel rank" in line and "of 2: each layer's CPUUnquantizedExperts compute this rank's " \
+               "(token, k) pairs only (eplb_graph::local_expert_pairs)" in line
+        assert ("DP tokens dispatched over 2 ranks by eplb_graph::ep_all_gatherv / ep_reduce_scatterv" in line) == \
+               (layout == "dp2")

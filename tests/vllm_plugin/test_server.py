@@ -29,6 +29,7 @@ from tests.vllm_plugin.cpu_quantized_experts import EXACT_TOKENS_PER_EXPERT, LIF
 pytest.importorskip("vllm")
 
 SECTION, FP8_SECTION = "vLLM: the OpenAI-compatible server", "vLLM: an FP8 checkpoint"
+EP2_SECTION = "vLLM: expert parallel over two workers"
 REPO_ROOT = Path(__file__).parents[2]
 FP8_WRITER, INT4_WRITER = "write_tiny_qwen3_moe_fp8_checkpoint", "write_tiny_qwen3_moe_int4_checkpoint"
 UPSTREAM_SERVER, LIFTED_SERVER = "vllm.entrypoints.openai.api_server", "tests.vllm_plugin.lifted_api_server"
@@ -141,8 +142,16 @@ def serve_quickstart(section: str, workdir: Path, *, quantized: bool = False, wr
         exec(compile(write_checkpoint, f"quickstart-hf.md[{section}]", "exec"), {"__name__": "quickstart"})
     finally:
         sys.argv = argv
-    started = {name: start_server(serve, model_dir, workdir / f"{name}.log", eplb=name == "on", env_extra=env_extra)
-               for name in ("on", "off")}
+    commands = {name: (serve, name == "on") for name in ("on", "off")}
+    return serve_and_query(commands, model_dir, workdir, curl, env_extra)
+
+
+def serve_and_query(commands: dict[str, tuple[str, bool]], model_dir: Path, workdir: Path, curl: str,
+                    env_extra: dict | None = None) -> dict:
+    """Each (server command, EPLB on) started side by side, queried as the quickstart does and with
+    three longer prompts, stopped; its answers and its log."""
+    started = {name: start_server(command, model_dir, workdir / f"{name}.log", eplb=eplb, env_extra=env_extra)
+               for name, (command, eplb) in commands.items()}
     try:
         for server in started.values():
             wait_until_ready(server)
@@ -163,6 +172,25 @@ def serve_quickstart(section: str, workdir: Path, *, quantized: bool = False, wr
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     return serve_quickstart(SECTION, tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture(scope="module")
+def multi_process_servers(tmp_path_factory):
+    """The two-worker quickstart's TP=2 server and the same with --data-parallel-size 2, side by side."""
+    workdir = tmp_path_factory.mktemp("server_ep2")
+    write_checkpoint, = quickstart_blocks(SECTION, "python")
+    model_dir = workdir / "tiny-qwen3-moe"
+    argv = sys.argv
+    sys.argv = ["quickstart", str(model_dir)]
+    try:
+        exec(compile(write_checkpoint, f"quickstart-hf.md[{SECTION}]", "exec"), {"__name__": "quickstart"})
+    finally:
+        sys.argv = argv
+    tp2, = quickstart_blocks(EP2_SECTION, "bash")
+    assert "--tensor-parallel-size 2" in tp2
+    dp2 = tp2.replace("--tensor-parallel-size 2", "--data-parallel-size 2")
+    return serve_and_query({"tp2": (tp2, True), "dp2": (dp2, True)}, model_dir, workdir,
+                           quickstart_blocks(SECTION, "bash")[1])
 
 
 @pytest.fixture(scope="module")
@@ -252,3 +280,30 @@ def test_the_active_line_names_each_layer_and_mechanism():
     assert "last 10 steps before each rearrangement, every 30 steps" in line
     assert "2 redundant experts, async EPLB through SimpleNamespace;" in line
     assert line.endswith("each expert moves with w13_weight, w2_weight, w1_alphas")
+
+
+REARRANGED = re.compile(r"eplb-graph: rearrangement (\d+) committed on EP rank (\d) of 2 \(\d+ layer commits so far\); "
+                        r"expert bytes sent (\d+), received (\d+) so far")
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_two_workers_serve_the_completions_of_one_process_without_eplb(servers, multi_process_servers, layout):
+    run, off = multi_process_servers[layout], servers["off"]
+    assert texts(run["quickstart"]) == texts(off["quickstart"])
+    assert [texts(r) for r in run["longer"]] == [texts(r) for r in off["longer"]]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_two_workers_move_experts_between_them_with_no_graph_compiled_while_serving(multi_process_servers, layout):
+    log = multi_process_servers[layout]["log"]
+    active = [line for line in log.splitlines() if "eplb-graph active on cpu" in line]
+    assert len(active) == 2, log[-4000:]  # one line per worker
+    assert all("of 2: each layer's CPUUnquantizedExperts compute this rank's (token, k) pairs only" in line
+               for line in active)
+    assert all(("DP tokens dispatched over 2 ranks" in line) == (layout == "dp2") for line in active)
+    last = {}  # per EP rank: its last rearrangement line
+    for match in REARRANGED.finditer(log):
+        last[int(match[2])] = tuple(int(match[i]) for i in (1, 3, 4))
+    assert sorted(last) == [0, 1], log[-4000:]
+    assert all(count >= 3 and sent > 0 and received > 0 for count, sent, received in last.values())
+    assert len(WATCHING.findall(log)) == 2 and "compiled while serving" not in log
