@@ -3,7 +3,8 @@
 Online FP8 (``quantization="fp8_per_block"`` from a bf16 checkpoint, the routed experts only),
 a pre-quantized block-FP8 checkpoint (``quant_method: fp8``, ``weight_block_size``) and an int4
 one (compressed-tensors pack-quantized, run as W4A8 by vLLM's CPU experts), EPLB on and off,
-compiled, window 4, interval 8, 4 redundant slots. vLLM's quantized CPU experts are admitted on
+compiled, window 4, interval 8, 4 redundant slots; the FP8 and int4 checkpoints at TP=2 too, where
+the experts, their scales and zero points move between the two workers. vLLM's quantized CPU experts are admitted on
 this AMX-less CPU by the test harness, on vLLM's kernels where its build has them and on the
 stand-ins elsewhere (cpu_quantized_experts.py and cpu_kernel_stand_ins.py say what that does not prove);
 at most 4 tokens per step keep the kernels exact across batches, so EPLB on must give the very
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from eplb_graph.models.tiny_checkpoint import TINY_QWEN3_MOE
-from tests.vllm_plugin.test_engine import run_in_pairs
+from tests.vllm_plugin.test_engine import check_slots_hold_committed_experts, run_in_pairs
 
 pytest.importorskip("vllm")
 
@@ -32,6 +33,9 @@ RUNS = {
     "checkpoint_on": ["--eplb", "on", "--weights", "fp8-checkpoint", *COMPILED],
     "int4_off": ["--eplb", "off", "--weights", "int4-checkpoint", *COMPILED],
     "int4_on": ["--eplb", "on", "--weights", "int4-checkpoint", *COMPILED],
+    # expert parallel over two TP workers, each computing its own pairs on the quantized kernels
+    "checkpoint_tp2_on": ["--eplb", "on", "--weights", "fp8-checkpoint", "--tp", "2", *COMPILED],
+    "int4_tp2_on": ["--eplb", "on", "--weights", "int4-checkpoint", "--tp", "2", *COMPILED],
     "checkpoint_on_scales_hidden": ["--eplb", "on", "--weights", "fp8-checkpoint", "--hide-scales-from-upstream",
                                     *COMPILED],
     "checkpoint_on_scales_left_behind": ["--eplb", "on", "--weights", "fp8-checkpoint", "--hide-scales-from-upstream",
@@ -97,3 +101,19 @@ def test_zero_recompiles_after_warm_up_when_quantized(runs):
         assert runs[name]["pass_runs_after_warm_up"] == 0, name
         if runs[name]["eplb"] is not None:  # the worker's own count (compile_watch.py)
             assert runs[name]["eplb"]["graphs_compiled_while_serving"] == 0, name
+
+
+@pytest.mark.parametrize(("weights", "experts"), [("checkpoint", "CPUExpertsFp8"), ("int4", "CPUExpertsInt4")])
+def test_two_tp_workers_move_quantized_experts_between_them(runs, weights, experts):
+    run = runs[f"{weights}_tp2_on"]
+    assert run["tokens"] == runs[f"{weights}_off"]["tokens"]  # one process, EPLB off
+    workers = run["workers"]
+    assert sorted(w["after"]["ep_rank"] for w in workers) == [0, 1]
+    for worker in workers:
+        after = worker["after"]
+        assert after["rearrangements_committed"] >= 3 and after["bytes_sent"] > 0 and after["bytes_received"] > 0
+        assert after["graphs_compiled_while_serving"] == 0 and after["worker_error"] is None
+    assert sum(w["after"]["bytes_sent"] for w in workers) == sum(w["after"]["bytes_received"] for w in workers)
+    check_slots_hold_committed_experts(workers)  # scales and zero points are in each slot's digest
+    assert len(run["active_lines"]) == 2 and all(f"each layer's {experts} compute this rank's (token, k) pairs only"
+                                                 in line for line in run["active_lines"])
