@@ -4,7 +4,7 @@ vLLM's engine at TP=2 + EP (one core per worker, compiled), on a checkpoint this
 Qwen3-MoE with experts wide enough that expert compute dominates a step, whose router sends
 about half of the routed pairs to two hot experts (``--hot``) that vLLM's initial placement puts,
 unreplicated, in rank 0's slots (the redundant slots copy experts 0..R-1 onto the last rank).
-Two arms, each its own engine, alternated static / rebalanced / static / rebalanced:
+Two arms, each its own engine, alternated static / rebalanced for ``--rounds`` rounds:
 
 * **static**: EPLB on, never rebalancing (``step_interval`` beyond the run): the placement a
   user has without EPLB, with the same routing and recording ops;
@@ -17,7 +17,9 @@ the engine processed) and the engine's step times. Balancedness is upstream's ow
 each rank's expert seconds are what ``eplb_graph::local_expert_pairs``' kernels took. The hot
 share is measured from the load upstream recorded. The gain the balancedness predicts for the
 static arm's expert share ``f`` of a step (the slower rank's expert seconds over wall time) is
-``1 / (1 - f + f * balancedness_static / balancedness_rebalanced)``.
+``1 / (1 - f + f * balancedness_static / balancedness_rebalanced)``. Figures are medians over the
+rounds; the A/A ratios (the second round's arm over the first's, and the arms' max / min) are the
+noise the ratio reads against.
 
     python benchmarks/bench_vllm_eplb.py --out out/bench/bench_vllm_eplb.json
 """
@@ -36,7 +38,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ARMS = ("static", "rebalanced", "static", "rebalanced")
 NEVER = 10**9
 RESULT = "BENCH_ARM_RESULT "
 MEASURE_START, MEASURE_END = "BENCH_MEASURE_START", "BENCH_MEASURE_END"
@@ -169,18 +170,19 @@ def launch_arm(arm: str, model: Path, args: argparse.Namespace) -> dict:
 
 
 def summarize(runs: list[dict], hot: list[int]) -> dict:
-    static = [r for r in runs if r["arm"] == "static"]
-    rebalanced = [r for r in runs if r["arm"] == "rebalanced"]
-    mean = lambda rs, key: statistics.mean(r[key] for r in rs)  # noqa: E731
-    balancedness_static, balancedness_rebalanced = mean(static, "balancedness"), mean(rebalanced, "balancedness")
-    share = mean(static, "expert_share")
+    arms = {arm: [r for r in runs if r["arm"] == arm] for arm in ("static", "rebalanced")}
+    median = lambda arm, key: statistics.median(r[key] for r in arms[arm])  # noqa: E731
+    balancedness_static, balancedness_rebalanced = median("static", "balancedness"), median("rebalanced", "balancedness")
+    share = median("static", "expert_share")
     predicted = 1 / (1 - share + share * balancedness_static / balancedness_rebalanced)
-    measured = mean(rebalanced, "tokens_per_s") / mean(static, "tokens_per_s")
-    load = static[0]["logical_load"]
+    measured = median("rebalanced", "tokens_per_s") / median("static", "tokens_per_s")
+    tokens = {arm: [r["tokens_per_s"] for r in arms[arm]] for arm in arms}
+    load = arms["static"][0]["logical_load"]
     return {
         "rebalanced_over_static": round(measured, 3),
-        "aa_ratio": round(static[1]["tokens_per_s"] / static[0]["tokens_per_s"], 3),
-        "rebalanced_aa_ratio": round(rebalanced[1]["tokens_per_s"] / rebalanced[0]["tokens_per_s"], 3),
+        "aa_ratio": round(tokens["static"][1] / tokens["static"][0], 3),
+        "rebalanced_aa_ratio": round(tokens["rebalanced"][1] / tokens["rebalanced"][0], 3),
+        "static_spread": round(max(tokens["static"]) / min(tokens["static"]), 3),
         "balancedness_static": round(balancedness_static, 4),
         "balancedness_rebalanced": round(balancedness_rebalanced, 4),
         "expert_share_static": round(share, 4),
@@ -188,7 +190,7 @@ def summarize(runs: list[dict], hot: list[int]) -> dict:
         "share_of_predicted_gain": round((measured - 1) / (predicted - 1), 3) if predicted > 1 else None,
         "hot_experts": hot,
         "hot_share_of_pairs": round(sum(load[e] for e in hot) / max(1, sum(load)), 4),
-        "tokens_per_s": {arm: [r["tokens_per_s"] for r in runs if r["arm"] == arm] for arm in ("static", "rebalanced")},
+        "tokens_per_s": tokens,
     }
 
 
@@ -196,10 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--layout", choices=["tp2"], default="tp2")
+    parser.add_argument("--rounds", type=int, default=3, help="static / rebalanced pairs, alternated (>= 2)")
     parser.add_argument("--arm", choices=["static", "rebalanced"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--intermediate", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--redundant", type=int, default=4)
@@ -207,17 +210,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bias", type=float, default=0.15, help="router bias towards the hot experts")
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--interval", type=int, default=16)
-    parser.add_argument("--warm-requests", type=int, default=24)
-    parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--prompt-tokens", type=int, default=120)
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--warm-requests", type=int, default=96)
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--prompt-tokens", type=int, default=240)
+    parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--batch-tokens", type=int, default=512)
+    parser.add_argument("--batch-tokens", type=int, default=1024)
     args = parser.parse_args(argv)
     if args.arm:
         return run_arm(args)
     if args.out is None:
         parser.error("--out FILE is required")
+    if args.rounds < 2:
+        parser.error(f"--rounds must be >= 2 (the A/A pair), got {args.rounds}")
     if not all(args.redundant <= e < (args.experts + args.redundant) // 2 for e in args.hot):
         parser.error(f"--hot {args.hot}: hot experts must sit in rank 0's slots, unreplicated "
                      f"({args.redundant}..{(args.experts + args.redundant) // 2 - 1})")
@@ -225,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                                     intermediate=args.intermediate, layers=args.layers, experts=args.experts,
                                     hot=args.hot, bias=args.bias)
     runs = []
-    for arm in ARMS:
+    for arm in ("static", "rebalanced") * args.rounds:
         runs.append(launch_arm(arm, model, args))
         print(f"{arm}: {runs[-1]['tokens_per_s']} tokens/s, balancedness {runs[-1]['balancedness']}, "
               f"expert share {runs[-1]['expert_share']}", flush=True)
@@ -236,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in list(report)[:14]}, indent=2))
+    print(json.dumps({k: report[k] for k in list(report)[:15]}, indent=2))
     return 0
 
 

@@ -49,6 +49,7 @@ FILES = {
     "chaos_1": "chaos_1/chaos.json",
     "chaos_2": "chaos_2/chaos.json",
     "chaos_3": "chaos_3/chaos.json",
+    "vllm_eplb": "bench_vllm_eplb.json",
     "gpu": "gpu_bench.json",
 }
 assert set(FILES) == set(RENDERERS) == set(TITLES), "each benchmark file has a renderer and a title"
@@ -159,6 +160,13 @@ def headline(record: dict) -> str:
                      f"{serving['requests']} requests",
                      f"{fixed['elastic_over_fixed']} ({fixed['fixed_a_over_a']}); {serving['last_over_first']}",
                      "- ; ~1 (O(1))", "`bench_elastic_control.py`"])
+    vllm_eplb = record.get("vllm_eplb")
+    if vllm_eplb:
+        rows.append([f"vLLM {vllm_eplb['layout']} + EP, skewed router: tokens/s rebalanced / static (A/A); balancedness "
+                     "static -> rebalanced; share of the gain the balancedness predicts",
+                     f"{vllm_eplb['rebalanced_over_static']} ({vllm_eplb['aa_ratio']}); {vllm_eplb['balancedness_static']}"
+                     f" -> {vllm_eplb['balancedness_rebalanced']}; {vllm_eplb['share_of_predicted_gain']} of "
+                     f"{vllm_eplb['predicted_gain']}", ">= 1.15; -; >= 0.8", "`bench_vllm_eplb.py`"])
     gpu = record.get("gpu")
     rows.append(["GPU (CUDA graphs, Triton kernel)", "not measured yet: no GPU has been lent" if gpu is None
                  else f"{sum(e['status'] == 'ok' for e in gpu['stages'].values())} of {len(gpu['stages'])} stages ok",

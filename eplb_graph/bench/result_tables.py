@@ -135,6 +135,26 @@ def render_elastic_control(r: dict) -> str:
     return f"{steps}\n\n{control}"
 
 
+def render_vllm_eplb(r: dict) -> str:
+    c = r["config"]
+    meta = (f"vLLM {r['layout']} + EP, {c['experts']} experts + {c['redundant']} redundant, hidden {c['hidden']}, expert "
+            f"width {c['intermediate']}, {c['layers']} MoE layers; hot experts {r['hot_experts']} take "
+            f"{r['hot_share_of_pairs']} of the routed pairs (recorded load); {c['requests']} timed requests of "
+            f"{c['prompt_tokens']} + {c['max_tokens']} tokens per arm, after {c['warm_requests']}")
+    arms = table(["arm", "tokens/s", "step p50 ms", "step p99 ms", "balancedness (upstream's)", "expert share",
+                  "expert s per rank", "pairs per rank", "rearrangements"],
+                 [[x["arm"], x["tokens_per_s"], x["step_p50_ms"], x["step_p99_ms"], x["balancedness"], x["expert_share"],
+                   " / ".join(f"{rank['expert_seconds']:.3f}" for rank in x["ranks"]),
+                   " / ".join(str(rank["pairs"]) for rank in x["ranks"]), x["upstream_rearrangements_logged"]]
+                  for x in r["runs"]])
+    ratios = table(["rebalanced / static tokens/s", "static A/A", "rebalanced A/A", "balancedness static -> rebalanced",
+                    "predicted gain", "share of the predicted gain"],
+                   [[r["rebalanced_over_static"], r["aa_ratio"], r["rebalanced_aa_ratio"],
+                     f"{r['balancedness_static']} -> {r['balancedness_rebalanced']}", r["predicted_gain"],
+                     r["share_of_predicted_gain"]]])
+    return f"{meta}\n\n{arms}\n\n{ratios}"
+
+
 def render_chaos(r: dict) -> str:
     totals = table(["faults (by kind)", "seconds", "requests answered / unanswered", "answered twice", "mismatches",
                     "recompiles", "detection max s (bound)", "detection to serving max s (bound)", "failed"],
@@ -158,7 +178,7 @@ RENDERERS = {"run": render_run, "bench": render_bench, "data_plane": render_benc
              "movement": render_movement, "injected_work": render_injected_work, "elastic": render_elastic,
              "elastic_fault": render_elastic, "elastic_fault_rank0": render_elastic,
              "elastic_control": render_elastic_control, "chaos_1": render_chaos, "chaos_2": render_chaos,
-             "chaos_3": render_chaos, "gpu": render_gpu}
+             "chaos_3": render_chaos, "vllm_eplb": render_vllm_eplb, "gpu": render_gpu}
 TITLES = {
     "run": "`make run` (`eplb-graph run`: 2 ranks, compiled, live EPLB, outputs checked every step)",
     "bench": "`eplb-graph bench` (capture vs eager, EPLB off / on_idle / on_rearranging)",
@@ -178,5 +198,6 @@ TITLES = {
     "chaos_1": "`eplb-graph run --chaos 1` (resizes, kills, stops, hangs under traffic)",
     "chaos_2": "`eplb-graph run --chaos 2`",
     "chaos_3": "`eplb-graph run --chaos 3`",
+    "vllm_eplb": "`bench_vllm_eplb.py` (vLLM TP=2 + EP on a skewed router: rebalanced against static placement)",
     "gpu": "`gpu_bench.py` on a lent GPU",
 }

@@ -8,8 +8,8 @@ on it:
    synchronous EPLB, elastic EP (upstream runs it synchronously), dual-batch overlap,
    vllm-ascend's V1-only EPLB controls mixed with ``enable_eplb``, a quantization no viewed
    method belongs to (asked for, found in the checkpoint, or built online: ``fp8`` on a checkpoint
-   without FP8 weights is online per-tensor FP8), and, on CPU, expert parallel over
-   more than one process. A quantization names a family (``compressed-tensors`` has many
+   without FP8 weights is online per-tensor FP8), and, on CPU, prefill context parallel (expert
+   parallel over TP and DP workers is served: ``local_experts.py``, ``dp_dispatch.py``). A quantization names a family (``compressed-tensors`` has many
    schemes): each layer's method and tensors are checked when it is built (upstream's
    ``supports_eplb``) and when the worker binds it (``expert_views``), still before serving;
 2. on CPU, where ``ParallelConfig`` refuses EPLB (CUDA/ROCm/XPU only, and TP x PCP x DP > 1),
