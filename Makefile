@@ -22,7 +22,7 @@ run: $(STAMP)
 	$(VENV)/bin/eplb-graph run --out $(OUT)/run
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q --durations=25 tests
 
 # A developer's inner loop: everything but the tests that start rank processes or a vLLM engine
 test-fast: $(STAMP)

@@ -4,16 +4,18 @@ vLLM's engine at TP=2 + EP (one core per worker, compiled), on a checkpoint this
 Qwen3-MoE with experts wide enough that expert compute dominates a step, whose router sends
 about half of the routed pairs to two hot experts (``--hot``) that vLLM's initial placement puts,
 unreplicated, in rank 0's slots (the redundant slots copy experts 0..R-1 onto the last rank).
-Two arms, each its own engine, alternated static / rebalanced for ``--rounds`` rounds:
+Two arms, each its own engine, alternated for ``--rounds`` rounds (static first in even
+rounds, rebalanced first in odd ones, so neither always follows the other):
 
-* **static**: EPLB on, never rebalancing (``step_interval`` beyond the run): the placement a
-  user has without EPLB, with the same routing and recording ops;
+* **static**: EPLB on, never rebalancing (``step_interval`` beyond the run): upstream's initial
+  placement kept (what a skew does to a deployment that does not rebalance), with the same
+  routing and recording ops;
 * **rebalanced**: EPLB on, rearranging every ``--interval`` steps from the first window on.
 
 Each arm serves ``--warm-requests`` prefill-heavy requests (the rebalanced arm rearranges
 during them), then is timed over ``--requests`` more: tokens/s (prompt and generated tokens
-the engine processed) and the engine's step times. Balancedness is upstream's own
-``log_balancedness`` figure (mean / max per-rank load of each step) over the timed steps;
+the engine processed) and the engine's step times. Balancedness is from upstream's own
+``log_balancedness`` lines (each step's mean and max per-rank load), summed over the timed steps;
 each rank's expert seconds are what ``eplb_graph::local_expert_pairs``' kernels took. The hot
 share is measured from the load upstream recorded. The gain the balancedness predicts for the
 static arm's expert share ``f`` of a step (the slower rank's expert seconds over wall time) is
@@ -41,7 +43,7 @@ from pathlib import Path
 NEVER = 10**9
 RESULT = "BENCH_ARM_RESULT "
 MEASURE_START, MEASURE_END = "BENCH_MEASURE_START", "BENCH_MEASURE_END"
-BALANCEDNESS = re.compile(r"EPLB step: \d+ for model \S+: avg_tokens=[\d.]+, max_tokens=\d+, balancedness=([\d.]+)")
+BALANCEDNESS = re.compile(r"EPLB step: \d+ for model \S+: avg_tokens=([\d.]+), max_tokens=(\d+), balancedness=[\d.]+")
 
 
 def write_skewed_checkpoint(directory: Path, *, hidden: int, intermediate: int, layers: int, experts: int,
@@ -139,9 +141,13 @@ def run_arm(args: argparse.Namespace) -> int:
 
 
 def arm_balancedness(output: str) -> float | None:
+    """Sum of the steps' mean per-rank load over the sum of their max, from upstream's lines
+    between the markers (a large step weighs as its load does)."""
     measured = output.split(MEASURE_START, 1)[-1].split(MEASURE_END, 1)[0]
-    values = [float(v) for v in BALANCEDNESS.findall(measured)]
-    return round(statistics.mean(values), 4) if values else None
+    loads = [(float(mean), float(most)) for mean, most in BALANCEDNESS.findall(measured)]
+    if not loads:
+        return None
+    return round(sum(mean for mean, _ in loads) / sum(most for _, most in loads), 4)
 
 
 def launch_arm(arm: str, model: Path, args: argparse.Namespace) -> dict:
@@ -155,6 +161,8 @@ def launch_arm(arm: str, model: Path, args: argparse.Namespace) -> dict:
     lines = [line for line in output.splitlines() if line.startswith(RESULT)]
     if done.returncode != 0 or not lines:
         raise SystemExit(f"arm {arm} failed ({done.returncode}):\n{output[-5000:]}")
+    if not BALANCEDNESS.search(output):
+        raise SystemExit(f"arm {arm}: no balancedness line of upstream's in its log (log_balancedness)")
     result = json.loads(lines[-1][len(RESULT):])
     steps_ms = sorted(s * 1e3 for s in result.pop("steps_s"))
     result.update(
@@ -230,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                                     intermediate=args.intermediate, layers=args.layers, experts=args.experts,
                                     hot=args.hot, bias=args.bias)
     runs = []
-    for arm in ("static", "rebalanced") * args.rounds:
+    for arm in [arm for round_ in range(args.rounds) for arm in ("static", "rebalanced")[:: 1 if round_ % 2 == 0 else -1]]:
         runs.append(launch_arm(arm, model, args))
         print(f"{arm}: {runs[-1]['tokens_per_s']} tokens/s, balancedness {runs[-1]['balancedness']}, "
               f"expert share {runs[-1]['expert_share']}", flush=True)

@@ -69,9 +69,10 @@ communicator instance `eplb_graph::ep_all_gatherv` / `ep_reduce_scatterv` over i
 | layout | how it is launched | on vLLM's CPU engine here |
 | --- | --- | --- |
 | one worker (EP 1, redundant slots) | `LLM(...)`, `api_server` | tested: engine, server (unquantized, FP8, int4) |
-| TP=2 + EP | `LLM(tensor_parallel_size=2, ...)`, `api_server --tensor-parallel-size 2`; needs `VLLM_CPU_OMP_THREADS_BIND` (`0\\|1`) | tested: engine compiled and eager, server; experts move between the workers |
+| TP=2 + EP | `LLM(tensor_parallel_size=2, ...)`, `api_server --tensor-parallel-size 2`; needs `VLLM_CPU_OMP_THREADS_BIND` (`0\\|1`) | tested: engine compiled and eager (unquantized, FP8 block, int4: on vLLM's quantized kernels or, where its build lacks them, their stand-ins, see above), server; experts move between the workers |
 | DP=2 + EP | `api_server --data-parallel-size 2` (one engine core per DP rank); offline, vLLM's SPMD launch (one `LLM` per rank with `VLLM_DP_RANK`, `VLLM_DP_SIZE`, `VLLM_DP_MASTER_PORT`): `LLM(data_parallel_size=2)` is refused by vLLM itself | tested: server, offline engine, compiled |
-| more than 2 ranks, TP x DP mixed | as above | not tested: these machines have 2 cores, one per worker |
+| more than 2 ranks | as above | not tested: these machines have 2 cores, one per worker |
+| TP > 1 with DP > 1 | - | refused by name at start (vLLM dispatches MoE tokens sequence-parallel over the EP group there) |
 | prefill context parallel | - | refused by name at start |
 """
 

@@ -114,10 +114,16 @@ def ep_sum_own_rows(parts: torch.Tensor, group: str) -> torch.Tensor:
     slot = EP_GROUPS.resolve(group)
     pg, rank, _ = slot.current()
     rows = parts.shape[0] // slot.max_size
-    total = parts.clone()
+    return summed_rows(parts, pg, rank * rows, rows)
+
+
+def summed_rows(parts: torch.Tensor, pg: dist.ProcessGroup | None, start: int, rows: int) -> torch.Tensor:
+    """The group's sum of ``parts``, its ``rows`` rows from ``start`` (one all-reduce: gloo's
+    reduce-scatter takes equal chunks only)."""
+    total = parts.contiguous().clone()
     if pg is not None:
         dist.all_reduce(total, group=pg)
-    return total[rank * rows : (rank + 1) * rows].clone()
+    return total[start : start + rows].clone()
 
 
 def ep_sum_own_rows_fake(parts: torch.Tensor, group: str) -> torch.Tensor:
@@ -162,11 +168,7 @@ def ep_reduce_scatterv(x: torch.Tensor, sizes: list[int], group: str) -> torch.T
     check_sizes(sizes, size, rank, None)
     if x.shape[0] != sum(sizes):
         raise RuntimeError(f"reduce_scatterv of {x.shape[0]} rows, but sizes {list(sizes)} sum to {sum(sizes)}")
-    total = x.contiguous().clone()
-    if pg is not None:
-        dist.all_reduce(total, group=pg)
-    start = sum(sizes[:rank])
-    return total[start : start + sizes[rank]].clone()
+    return summed_rows(x, pg, sum(sizes[:rank]), sizes[rank])
 
 
 def ep_reduce_scatterv_fake(x: torch.Tensor, sizes: list[int], group: str) -> torch.Tensor:

@@ -12,14 +12,16 @@ The compaction has a data-dependent size, so it lives inside this opaque op (inv
 traced graph sees one op with the shape of ``hidden_states``, no host sync, no dynamic shape);
 expert selection stays where it was (invariant 2): the op consumes the physical ids the routing
 op produced. Like ``map_and_record_layer``, the op names its layer and finds the layer's kernel
-at run time (``LOCAL_EXPERTS``); the tensors the kernel reads are passed in ``weights`` so the
-graph states what it depends on.
+at run time (``LOCAL_EXPERTS``); the expert weights it hands that kernel are passed in
+``weights``, so the graph states what it depends on (a quantized kernel's scales and zero points
+are its own state, moved with the weights: ``expert_views``).
 """
 
 from __future__ import annotations
 
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -40,61 +42,48 @@ class PairKernel(Protocol):
                   weights: list[torch.Tensor]) -> torch.Tensor: ...
 
 
+@dataclass
+class PairCounts:
+    """What one layer's calls did since it was registered."""
+
+    calls: int = 0
+    pairs: int = 0  # (token, k) pairs its kernel computed: this rank's own
+    seen: int = 0  # (token, k) pairs its calls received, routed to any rank
+    seconds: float = 0.0  # its kernel's time (a CPU kernel: the host clock sees all of it)
+
+
 class LocalExpertsRegistry:
-    """Layer key -> its live ``PairKernel`` (weakly held: a graph naming a dead layer fails by name),
-    with the pairs each layer computed and the seconds its kernel took (a CPU kernel: the host
-    clock sees its whole run), so a caller can prove foreign pairs cost nothing and see what a
-    rank's share of the experts costs it."""
+    """Layer key -> its live ``PairKernel`` (weakly held: a graph naming a dead layer fails by name)
+    and its ``PairCounts``, so a caller can prove foreign pairs cost nothing and see what a rank's
+    share of the experts costs it."""
 
     def __init__(self) -> None:
-        self._kernels: dict[str, weakref.ReferenceType] = {}
-        self._pairs: dict[str, int] = {}
-        self._seen: dict[str, int] = {}
-        self._calls: dict[str, int] = {}
-        self._seconds: dict[str, float] = {}
+        self._entries: dict[str, tuple[weakref.ReferenceType, PairCounts]] = {}
 
     def register(self, key: str, kernel: PairKernel) -> None:
-        existing = self._kernels.get(key)
-        if existing is not None and existing() is not None and existing() is not kernel:
+        existing = self._entries.get(key)
+        if existing is not None and existing[0]() is not None and existing[0]() is not kernel:
             raise ValueError(f"local experts of layer {key!r} are already registered")
-        self._kernels[key] = weakref.ref(kernel)
-        self._pairs[key] = self._seen[key] = self._calls[key] = 0
-        self._seconds[key] = 0.0
+        self._entries[key] = (weakref.ref(kernel), PairCounts())
 
     def unregister(self, key: str) -> None:
-        self._kernels.pop(key, None)
+        self._entries.pop(key, None)
 
-    def resolve(self, key: str) -> PairKernel:
-        ref = self._kernels.get(key)
+    def resolve(self, key: str) -> tuple[PairKernel, PairCounts]:
+        ref, counts = self._entries.get(key, (None, None))
         kernel = ref() if ref is not None else None
         if kernel is None:
-            raise KeyError(f"no live local experts named {key!r} (known: {sorted(self._kernels)[:8]})")
-        return kernel
+            raise KeyError(f"no live local experts named {key!r} (known: {sorted(self._entries)[:8]})")
+        return kernel, counts
 
-    def count(self, key: str, pairs: int, seen: int, seconds: float) -> None:
-        self._pairs[key] += pairs
-        self._seen[key] += seen
-        self._calls[key] += 1
-        self._seconds[key] += seconds
-
-    def pairs(self, key: str) -> int:
-        """(token, k) pairs the layer's kernel computed since it was registered."""
-        return self._pairs.get(key, 0)
-
-    def pairs_seen(self, key: str) -> int:
-        """(token, k) pairs routed to any rank that the layer's calls received."""
-        return self._seen.get(key, 0)
-
-    def calls(self, key: str) -> int:
-        return self._calls.get(key, 0)
-
-    def seconds(self, key: str) -> float:
-        """Seconds the layer's kernel ran (compaction and scatter-add not included)."""
-        return self._seconds.get(key, 0.0)
+    def counts(self, key: str) -> PairCounts:
+        """The layer's counts (zeros for a key never registered)."""
+        entry = self._entries.get(key)
+        return entry[1] if entry is not None else PairCounts()
 
     def __contains__(self, key: str) -> bool:
-        ref = self._kernels.get(key)
-        return ref is not None and ref() is not None
+        entry = self._entries.get(key)
+        return entry is not None and entry[0]() is not None
 
 
 # The op finds kernels from a string, so the index is process-wide, as the registrations are.
@@ -114,23 +103,36 @@ def check_pair_args(hidden_states: torch.Tensor, topk_weights: torch.Tensor, top
                            f"{expert_map.dtype}")
 
 
+def local_pairs(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:
+    """[T, K] physical ids -> this rank's local slot of each, or -1: held elsewhere, or an id
+    out of range (the routing ops' -1 for an unknown logical expert included)."""
+    ids = topk_ids.long()
+    valid = (ids >= 0) & (ids < expert_map.numel())
+    return torch.where(valid, expert_map[ids.clamp(0, expert_map.numel() - 1)].long(), -1)
+
+
 def local_expert_pairs_kernel(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                               expert_map: torch.Tensor, weights: list[torch.Tensor], layer: str) -> torch.Tensor:
     check_pair_args(hidden_states, topk_weights, topk_ids, expert_map)
-    kernel = LOCAL_EXPERTS.resolve(layer)
-    local = expert_map[topk_ids.long()]  # [T, K] local slot, -1 where another rank holds it
+    kernel, counts = LOCAL_EXPERTS.resolve(layer)
+    local = local_pairs(topk_ids, expert_map)  # [T, K]
     token, slot = (local >= 0).nonzero(as_tuple=True)  # [P], [P]: local pairs, token-major
-    output = torch.zeros_like(hidden_states)  # [T, H]
-    if token.numel() == 0:
-        LOCAL_EXPERTS.count(layer, 0, topk_ids.numel(), 0.0)
-        return output
-    pair_hidden = hidden_states.index_select(0, token)  # [P, H]
-    pair_weights = topk_weights[token, slot].unsqueeze(1)  # [P, 1]
-    pair_ids = local[token, slot].unsqueeze(1).to(topk_ids.dtype)  # [P, 1]
-    start = time.perf_counter()
-    rows = kernel.run_pairs(pair_hidden, pair_weights, pair_ids, weights)
-    LOCAL_EXPERTS.count(layer, int(token.numel()), topk_ids.numel(), time.perf_counter() - start)
-    return output.index_add_(0, token, rows.to(output.dtype))
+    counts.calls += 1
+    counts.seen += topk_ids.numel()
+    # summed over k in float32, as the fused kernels do, then cast once
+    total = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)  # [T, H]
+    if token.numel() > 0:
+        start = time.perf_counter()
+        rows = kernel.run_pairs(
+            hidden_states.index_select(0, token),  # [P, H]
+            topk_weights[token, slot].unsqueeze(1),  # [P, 1]
+            local[token, slot].unsqueeze(1).to(topk_ids.dtype),  # [P, 1]
+            weights,
+        )
+        counts.seconds += time.perf_counter() - start
+        counts.pairs += token.numel()
+        total.index_add_(0, token, rows.float())
+    return total.to(hidden_states.dtype)
 
 
 def local_expert_pairs_fake(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

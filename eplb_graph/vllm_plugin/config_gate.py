@@ -8,8 +8,9 @@ on it:
    synchronous EPLB, elastic EP (upstream runs it synchronously), dual-batch overlap,
    vllm-ascend's V1-only EPLB controls mixed with ``enable_eplb``, a quantization no viewed
    method belongs to (asked for, found in the checkpoint, or built online: ``fp8`` on a checkpoint
-   without FP8 weights is online per-tensor FP8), and, on CPU, prefill context parallel (expert
-   parallel over TP and DP workers is served: ``local_experts.py``, ``dp_dispatch.py``). A quantization names a family (``compressed-tensors`` has many
+   without FP8 weights is online per-tensor FP8), and, on CPU, TP and DP together, or prefill
+   context parallel (expert parallel over TP or DP workers is served: ``local_experts.py``,
+   ``dp_dispatch.py``). A quantization names a family (``compressed-tensors`` has many
    schemes): each layer's method and tensors are checked when it is built (upstream's
    ``supports_eplb``) and when the worker binds it (``expert_views``), still before serving;
 2. on CPU, where ``ParallelConfig`` refuses EPLB (CUDA/ROCm/XPU only, and TP x PCP x DP > 1),
@@ -68,6 +69,12 @@ def check_eplb_request(engine_args, *, on_cpu: bool) -> None:
         problems.append("enable_expert_parallel=False: EPLB needs expert parallel")
     if engine_args.quantization not in SUPPORTED_QUANTIZATIONS:
         problems.append(quantization_problem(engine_args.quantization))
+    if on_cpu and engine_args.tensor_parallel_size > 1 and engine_args.data_parallel_size > 1:
+        problems.append(
+            f"tensor_parallel_size={engine_args.tensor_parallel_size} with data_parallel_size="
+            f"{engine_args.data_parallel_size} on CPU: vLLM dispatches MoE tokens sequence-parallel over the EP group "
+            f"there, which eplb-graph does not serve; use TP or DP for expert parallel"
+        )
     if on_cpu and engine_args.prefill_context_parallel_size > 1:
         problems.append(
             f"prefill_context_parallel_size={engine_args.prefill_context_parallel_size} on CPU: eplb-graph serves "

@@ -4,7 +4,7 @@ With DP > 1 and expert parallel, vLLM 0.32's CPU communicator dispatches tokens 
 all-gather / reduce-scatter manager (``AgRsAll2AllManager``), which gathers each DP rank's
 hidden states, top-k weights and ids with ``all_gatherv`` and sums the experts' outputs back
 with ``reduce_scatterv`` over the DP group. ``CpuCommunicator`` implements neither (the base
-class raises ``NotImplementedError``). ``bind_variable_size_collectives`` gives the DP group's
+class raises ``NotImplementedError``). ``bind_dp_dispatch`` gives the DP group's
 communicator *instance* both, as ``eplb_graph::ep_all_gatherv`` / ``ep_reduce_scatterv`` over its
 gloo group: one opaque op gathers every tensor to the one length ``sum(sizes)``, so the compiled
 graph can prove that the experts see as many id rows as hidden rows (``moe_problem_size``).

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from eplb_graph.custom_ops import LOCAL_EXPERTS
+from eplb_graph.custom_ops.local_experts import PairCounts
 
 # vLLM's CPU experts whose apply takes (token, k) rows with local ids and top-k weights, applies
 # the weights and sums over k itself (TopKWeightAndReduceNoOP), and keeps its own scratch space
@@ -58,16 +59,9 @@ class LocalPairExperts:
         LOCAL_EXPERTS.unregister(self.key)
 
     @property
-    def pairs_computed(self) -> int:
-        return LOCAL_EXPERTS.pairs(self.key)
-
-    @property
-    def pairs_seen(self) -> int:
-        return LOCAL_EXPERTS.pairs_seen(self.key)
-
-    @property
-    def kernel_seconds(self) -> float:
-        return LOCAL_EXPERTS.seconds(self.key)
+    def counts(self) -> PairCounts:
+        """Pairs this rank's kernel computed, pairs its calls saw, the kernel's seconds."""
+        return LOCAL_EXPERTS.counts(self.key)
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
@@ -93,10 +87,10 @@ class LocalPairExperts:
                   weights: list[torch.Tensor]) -> torch.Tensor:
         """Upstream's kernel on ``[P, H]`` rows with ``[P, 1]`` local ids and weights."""
         w1, w2 = weights
-        rows = hidden_states.shape[0]
         out = torch.empty_like(hidden_states)  # [P, H]
-        shapes = self.experts.workspace_shapes(rows, w1.shape[1], hidden_states.shape[1], 1, self.global_num_experts,
-                                               w1.shape[0], None, self.activation)
+        local_experts, rows, n, k, top_k = self.experts.moe_problem_size(hidden_states, w1, w2, local_ids)
+        shapes = self.experts.workspace_shapes(rows, n, k, top_k, self.global_num_experts, local_experts, None,
+                                               self.activation)
         workspace13, workspace2 = (hidden_states.new_empty(shape) for shape in shapes[:2])
         self.upstream_apply(out, hidden_states, w1, w2, topk_weights, local_ids, self.activation,
                             self.global_num_experts, None, None, None, workspace13, workspace2, None,

@@ -236,16 +236,15 @@ class VllmEplbWorker:
             "graphs_compiled_while_serving": self.compile_watch and self.compile_watch.since_start(),
             "expert_views": {name: view.summary() for name, view in self.expert_views.items()},
             # (token, k) pairs this rank's experts computed, per layer (only its own: local_experts.py)
-            "local_pairs_computed": {key: experts.pairs_computed for key, experts in self.local_experts.items()},
-            "pairs_seen": {key: experts.pairs_seen for key, experts in self.local_experts.items()},
-            "local_expert_seconds": sum(experts.kernel_seconds for experts in self.local_experts.values()),
+            "local_pairs_computed": {key: experts.counts.pairs for key, experts in self.local_experts.items()},
+            "pairs_seen": {key: experts.counts.seen for key, experts in self.local_experts.items()},
+            "local_expert_seconds": sum(experts.counts.seconds for experts in self.local_experts.values()),
             # tokens per physical expert upstream holds in its window (what the policy sees)
             "load_window_total": sum(int(s.expert_load_window.sum()) for s in self.runner.eplb_state.model_states.values()),
             "ep_rank": self.ep_rank,
             "ep_size": self.ep_size,
             # expert bytes this rank's mover sent to and received from other EP ranks
-            "bytes_sent": self.bytes_moved()[0],
-            "bytes_received": self.bytes_moved()[1],
+            **dict(zip(("bytes_sent", "bytes_received"), self.bytes_moved())),
         }
 
     def bytes_moved(self) -> tuple[int, int]:

@@ -26,11 +26,11 @@ def test_the_skewed_checkpoint_routes_about_half_the_pairs_to_the_hot_experts(tm
 
 
 def test_balancedness_is_read_from_upstreams_lines_in_the_timed_phase_only():
-    line = ("(Worker_TP0_EP0 pid=1) INFO [eplb_state.py:634] EPLB step: {} for model m: avg_tokens=32.00, "
-            "max_tokens=48, balancedness={}, steps until the next rearrangement: 5")
-    output = "\n".join([line.format(1, "0.5000"), bench.MEASURE_START, line.format(2, "0.6000"),
-                        line.format(3, "0.8000"), bench.MEASURE_END, line.format(4, "0.1000")])
-    assert bench.arm_balancedness(output) == 0.7
+    line = ("(Worker_TP0_EP0 pid=1) INFO [eplb_state.py:634] EPLB step: 7 for model m: avg_tokens={}, "
+            "max_tokens={}, balancedness=0.1, steps until the next rearrangement: 5")
+    output = "\n".join([line.format("1.00", 10), bench.MEASURE_START, line.format("30.00", 40),
+                        line.format("6.00", 12), bench.MEASURE_END, line.format("1.00", 100)])
+    assert bench.arm_balancedness(output) == round(36 / 52, 4)  # a step weighs as its load does
     assert bench.arm_balancedness("no such line") is None
 
 

@@ -55,8 +55,8 @@ def test_sums_exactly_the_local_pairs_and_computes_nothing_else(rank):
     expected = silu_moe(x, w13, w2, weights * local, ids.long())  # foreign pairs contribute nothing
     torch.testing.assert_close(out, expected)
     assert kernel.rows_seen == [int(local.sum())]  # the kernel ran the local pairs only
-    assert LOCAL_EXPERTS.pairs(key) == int(local.sum()) and LOCAL_EXPERTS.calls(key) == 1
-    assert LOCAL_EXPERTS.pairs_seen(key) == ids.numel() and LOCAL_EXPERTS.seconds(key) > 0
+    counts = LOCAL_EXPERTS.counts(key)
+    assert (counts.pairs, counts.seen, counts.calls) == (int(local.sum()), ids.numel(), 1) and counts.seconds > 0
 
 
 def test_two_ranks_together_equal_one_rank_holding_every_expert(rank):
@@ -80,6 +80,36 @@ def test_no_local_pair_gives_zeros_without_calling_the_kernel(rank):
     ids = torch.tensor([[0, 1], [2, 0], [1, 2]], dtype=torch.int32)
     out = torch.ops.eplb_graph.local_expert_pairs(x, weights, ids, expert_map, [w13[3:], w2[3:]], key)
     assert torch.equal(out, torch.zeros_like(x)) and kernel.rows_seen == []
+
+
+def test_ids_out_of_range_are_nobodys_pairs(rank):
+    """-1 (the routing ops' id for an unknown logical expert) and ids past the slots run on no rank."""
+    key, kernel, expert_map, w13, w2 = rank
+    x, weights = torch.randn(3, H), torch.rand(3, 2)
+    ids = torch.tensor([[-1, 5], [6, 4], [-1, 9]], dtype=torch.int32)
+    out = torch.ops.eplb_graph.local_expert_pairs(x, weights, ids, expert_map, [w13[3:], w2[3:]], key)
+    expected = silu_moe(x, w13, w2, weights * torch.tensor([[0, 1], [0, 1], [0, 0]]), ids.clamp(0, 5).long())
+    torch.testing.assert_close(out, expected)
+    assert kernel.rows_seen == [2]
+
+
+def test_bfloat16_rows_are_summed_in_float32_and_rounded_once(rank):
+    key, _kernel, expert_map, w13, w2 = rank
+    x, weights, ids = routed(8)
+    ids[:, 0], ids[:, 1] = 3, 4  # both pairs of every token local
+    out = torch.ops.eplb_graph.local_expert_pairs(x.bfloat16(), weights.bfloat16(), ids, expert_map,
+                                                  [w13[3:].bfloat16(), w2[3:].bfloat16()], key)
+    rows = [silu_moe(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights.bfloat16()[:, k:k + 1], ids[:, k:k + 1].long())
+            for k in range(2)]
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, (rows[0].float() + rows[1].float()).bfloat16())
+
+
+def test_opcheck(rank):
+    key, _kernel, expert_map, w13, w2 = rank
+    x, weights, ids = routed(6)
+    torch.library.opcheck(torch.ops.eplb_graph.local_expert_pairs.default,
+                          (x, weights, ids, expert_map, [w13[3:], w2[3:]], key))
 
 
 def test_compiled_graph_keeps_the_op_opaque_and_serves_any_routing(rank):

@@ -110,6 +110,7 @@ def refused_as_given(args, match: str) -> EplbConfigError:
         ({"enable_dbo": True}, "enable_dbo=True"),
         ({"enable_expert_parallel": False}, "enable_expert_parallel=False"),
         ({"prefill_context_parallel_size": 2}, "prefill_context_parallel_size=2 on CPU"),
+        ({"tensor_parallel_size": 2, "data_parallel_size": 2}, "tensor_parallel_size=2 with data_parallel_size=2 on CPU"),
     ],
 )
 def test_unsupported_combinations_are_refused_by_name_before_anything_starts(model_dir, overrides, named):

@@ -28,6 +28,8 @@ from tests.vllm_plugin.cpu_quantized_experts import EXACT_TOKENS_PER_EXPERT, LIF
 
 pytest.importorskip("vllm")
 
+pytestmark = pytest.mark.launches  # servers: left out by make test-fast
+
 SECTION, FP8_SECTION = "vLLM: the OpenAI-compatible server", "vLLM: an FP8 checkpoint"
 EP2_SECTION = "vLLM: expert parallel over two workers"
 REPO_ROOT = Path(__file__).parents[2]
@@ -261,25 +263,6 @@ def test_an_int4_checkpoint_moves_its_scales_and_zero_points_with_its_experts(in
                               "w2_weight_scale, w2_weight_shape, w13_weight_shape, w13_weight_zero_point, "
                               "w2_weight_zero_point")
     assert log.count("Rearranging experts (async mode)") >= 3
-
-
-def test_the_active_line_names_each_layer_and_mechanism():
-    from eplb_graph.vllm_plugin.worker import log_active
-
-    eplb = SimpleNamespace(window_size=10, step_interval=30, num_redundant_experts=2, use_async=True)
-    state = SimpleNamespace(communicator=SimpleNamespace())
-    runner = SimpleNamespace(device="cpu", parallel_config=SimpleNamespace(eplb_config=eplb),
-                             eplb_state=SimpleNamespace(model_states={"m": state}))
-    layers = [SimpleNamespace(key="model.layers.0.mlp.experts", mapped_by="graph_pass"),
-              SimpleNamespace(key="model.layers.1.mlp.experts", mapped_by="router_adapter")]
-    views = {layer.key: SimpleNamespace(moved={"w13_weight": 0, "w2_weight": 0}, derived={"w1_alphas": 0})
-             for layer in layers}
-    line = log_active(SimpleNamespace(runner=runner, layers=layers, expert_views=views))
-    assert line.startswith("eplb-graph active on cpu: 2 MoE layers bound (model.layers.0.mlp.experts: graph_pass, "
-                           "model.layers.1.mlp.experts: router_adapter)")
-    assert "last 10 steps before each rearrangement, every 30 steps" in line
-    assert "2 redundant experts, async EPLB through SimpleNamespace;" in line
-    assert line.endswith("each expert moves with w13_weight, w2_weight, w1_alphas")
 
 
 REARRANGED = re.compile(r"eplb-graph: rearrangement (\d+) committed on EP rank (\d) of 2 \(\d+ layer commits so far\); "

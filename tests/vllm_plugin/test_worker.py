@@ -1,0 +1,46 @@
+"""``worker.py``'s pieces that need no engine (the engine and server tests run the worker itself)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+
+def test_the_active_line_names_each_layer_and_mechanism():
+    from eplb_graph.vllm_plugin.worker import log_active
+
+    eplb = SimpleNamespace(window_size=10, step_interval=30, num_redundant_experts=2, use_async=True)
+    state = SimpleNamespace(communicator=SimpleNamespace())
+    runner = SimpleNamespace(device="cpu", parallel_config=SimpleNamespace(eplb_config=eplb),
+                             eplb_state=SimpleNamespace(model_states={"m": state}))
+    layers = [SimpleNamespace(key="model.layers.0.mlp.experts", mapped_by="graph_pass"),
+              SimpleNamespace(key="model.layers.1.mlp.experts", mapped_by="router_adapter")]
+    views = {layer.key: SimpleNamespace(moved={"w13_weight": 0, "w2_weight": 0}, derived={"w1_alphas": 0})
+             for layer in layers}
+    line = log_active(SimpleNamespace(runner=runner, layers=layers, expert_views=views, local_experts={},
+                                      dp_dispatch=None))
+    assert line.startswith("eplb-graph active on cpu: 2 MoE layers bound (model.layers.0.mlp.experts: graph_pass, "
+                           "model.layers.1.mlp.experts: router_adapter)")
+    assert "last 10 steps before each rearrangement, every 30 steps" in line
+    assert "2 redundant experts, async EPLB through SimpleNamespace;" in line
+    assert line.endswith("each expert moves with w13_weight, w2_weight, w1_alphas")
+
+
+def test_the_active_line_names_the_expert_parallel_adaptations():
+    from eplb_graph.vllm_plugin.worker import log_active
+
+    base = type("CPUUnquantizedExperts", (), {})
+    experts = type("X86CPUUnquantizedExperts", (base,), {})()
+    eplb = SimpleNamespace(window_size=10, step_interval=30, num_redundant_experts=2, use_async=True)
+    runner = SimpleNamespace(device="cpu", parallel_config=SimpleNamespace(eplb_config=eplb),
+                             eplb_state=SimpleNamespace(model_states={"m": SimpleNamespace(communicator=object())}))
+    worker = SimpleNamespace(runner=runner, layers=[], expert_views={}, ep_rank=1, ep_size=2,
+                             local_experts={"layer": SimpleNamespace(experts=experts)},
+                             dp_dispatch=SimpleNamespace(slot=SimpleNamespace(max_size=2)))
+    line = log_active(worker)
+    assert line.endswith("; expert parallel rank 1 of 2: each layer's CPUUnquantizedExperts compute this rank's "
+                         "(token, k) pairs only (eplb_graph::local_expert_pairs); DP tokens dispatched over 2 ranks "
+                         "by eplb_graph::ep_all_gatherv / ep_reduce_scatterv")
