@@ -1,13 +1,13 @@
-"""The CPU benchmarks' argument checks: bad input stops with the flag's name before anything runs."""
+"""The CPU benchmarks' argument checks: bad input stops with the flag's name before anything runs.
 
-import subprocess
+Each script's ``main`` runs in this process with its command line: a refusal is ``SystemExit``
+with the message, which Python prints to stderr with exit status 1 (what a shell sees)."""
+
 import sys
 
 import pytest
 
-from tests.benchmarks.scripts import BENCHMARKS
-
-pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
+from tests.benchmarks.scripts import load_benchmark
 
 
 @pytest.mark.parametrize(
@@ -32,10 +32,12 @@ pytestmark = pytest.mark.launches  # rank processes or an engine: left out by ma
         ("bench_op_in_step.py", ["--rounds", "0"], "bench_op_in_step: --rounds must be >= 1, got 0"),
     ],
 )
-def test_a_benchmark_stops_before_running(script, args, message, tmp_path):
+def test_a_benchmark_stops_before_running(script, args, message, tmp_path, monkeypatch):
     out = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args, "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1
-    assert message in done.stderr
+    benchmark = load_benchmark(script.removesuffix(".py"))
+    monkeypatch.setattr(sys, "argv", [script, *args, "--out", str(out)])
+    with pytest.raises(SystemExit) as stopped:
+        benchmark.main()
+    assert isinstance(stopped.value.code, str)  # a message: exit status 1, the message on stderr
+    assert message in stopped.value.code
     assert not out.exists()

@@ -4,7 +4,9 @@ Online FP8 (``quantization="fp8_per_block"`` from a bf16 checkpoint, the routed 
 a pre-quantized block-FP8 checkpoint (``quant_method: fp8``, ``weight_block_size``) and an int4
 one (compressed-tensors pack-quantized, run as W4A8 by vLLM's CPU experts), EPLB on and off,
 compiled, window 4, interval 8, 4 redundant slots; the FP8 and int4 checkpoints at TP=2 too, where
-the experts, their scales and zero points move between the two workers. vLLM's quantized CPU experts are admitted on
+the experts, their scales and zero points move between the two workers (compared with the same
+TP=2 engine never rebalancing: TP=2 sums bfloat16 partial results across workers, which one
+process does not, so greedy tokens part from one process's after a few dozen tokens, EPLB or not). vLLM's quantized CPU experts are admitted on
 this AMX-less CPU by the test harness, on vLLM's kernels where its build has them and on the
 stand-ins elsewhere (cpu_quantized_experts.py and cpu_kernel_stand_ins.py say what that does not prove);
 at most 4 tokens per step keep the kernels exact across batches, so EPLB on must give the very
@@ -36,6 +38,12 @@ RUNS = {
     # expert parallel over two TP workers, each computing its own pairs on the quantized kernels
     "checkpoint_tp2_on": ["--eplb", "on", "--weights", "fp8-checkpoint", "--tp", "2", *COMPILED],
     "int4_tp2_on": ["--eplb", "on", "--weights", "int4-checkpoint", "--tp", "2", *COMPILED],
+    # the same engines never rebalancing: TP=2 all-reduces bfloat16 partial sums, so its tokens are
+    # TP=2's own, not one process's (in float32 they agree: test_engine.py); EPLB must not change them
+    "checkpoint_tp2_static": ["--eplb", "on", "--weights", "fp8-checkpoint", "--tp", "2", "--interval", "1000000",
+                              *COMPILED],
+    "int4_tp2_static": ["--eplb", "on", "--weights", "int4-checkpoint", "--tp", "2", "--interval", "1000000",
+                        *COMPILED],
     "checkpoint_on_scales_hidden": ["--eplb", "on", "--weights", "fp8-checkpoint", "--hide-scales-from-upstream",
                                     *COMPILED],
     "checkpoint_on_scales_left_behind": ["--eplb", "on", "--weights", "fp8-checkpoint", "--hide-scales-from-upstream",
@@ -105,8 +113,10 @@ def test_zero_recompiles_after_warm_up_when_quantized(runs):
 
 @pytest.mark.parametrize(("weights", "experts"), [("checkpoint", "CPUExpertsFp8"), ("int4", "CPUExpertsInt4")])
 def test_two_tp_workers_move_quantized_experts_between_them(runs, weights, experts):
-    run = runs[f"{weights}_tp2_on"]
-    assert run["tokens"] == runs[f"{weights}_off"]["tokens"]  # one process, EPLB off
+    run, static = runs[f"{weights}_tp2_on"], runs[f"{weights}_tp2_static"]
+    assert all(w["after"]["rearrangements_committed"] == 0 for w in static["workers"])
+    assert run["tokens"] == static["tokens"]  # the experts moved, the tokens did not change
+    assert run["tokens"][0][:8] == runs[f"{weights}_off"]["tokens"][0][:8]  # and they are the model's
     workers = run["workers"]
     assert sorted(w["after"]["ep_rank"] for w in workers) == [0, 1]
     for worker in workers:

@@ -137,6 +137,13 @@ def serve_quickstart(section: str, workdir: Path, *, quantized: bool = False, wr
         serve = serve.replace(f"-m {UPSTREAM_SERVER}", f"-m {LIFTED_SERVER}") + (
             f" --max-num-batched-tokens {EXACT_TOKENS_PER_EXPERT}")
         env_extra = {LIFT_ENV: "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    model_dir = write_quickstart_checkpoint(write_checkpoint, section, workdir)
+    commands = {name: (serve, name == "on") for name in ("on", "off")}
+    return serve_and_query(commands, model_dir, workdir, curl, env_extra)
+
+
+def write_quickstart_checkpoint(write_checkpoint: str, section: str, workdir: Path) -> Path:
+    """The quickstart's checkpoint-writing block run as the quickstart says, into ``workdir``."""
     model_dir = workdir / "tiny-qwen3-moe"
     argv = sys.argv
     sys.argv = ["quickstart", str(model_dir)]
@@ -144,9 +151,7 @@ def serve_quickstart(section: str, workdir: Path, *, quantized: bool = False, wr
         exec(compile(write_checkpoint, f"quickstart-hf.md[{section}]", "exec"), {"__name__": "quickstart"})
     finally:
         sys.argv = argv
-    commands = {name: (serve, name == "on") for name in ("on", "off")}
-    return serve_and_query(commands, model_dir, workdir, curl, env_extra)
-
+    return model_dir
 
 def serve_and_query(commands: dict[str, tuple[str, bool]], model_dir: Path, workdir: Path, curl: str,
                     env_extra: dict | None = None) -> dict:
@@ -181,13 +186,7 @@ def multi_process_servers(tmp_path_factory):
     """The two-worker quickstart's TP=2 server and the same with --data-parallel-size 2, side by side."""
     workdir = tmp_path_factory.mktemp("server_ep2")
     write_checkpoint, = quickstart_blocks(SECTION, "python")
-    model_dir = workdir / "tiny-qwen3-moe"
-    argv = sys.argv
-    sys.argv = ["quickstart", str(model_dir)]
-    try:
-        exec(compile(write_checkpoint, f"quickstart-hf.md[{SECTION}]", "exec"), {"__name__": "quickstart"})
-    finally:
-        sys.argv = argv
+    model_dir = write_quickstart_checkpoint(write_checkpoint, SECTION, workdir)
     tp2, = quickstart_blocks(EP2_SECTION, "bash")
     assert "--tensor-parallel-size 2" in tp2
     dp2 = tp2.replace("--tensor-parallel-size 2", "--data-parallel-size 2")
