@@ -75,11 +75,10 @@ def worker_counters(worker) -> dict:
     """One worker's EPLB figures (run in each worker by ``collective_rpc``)."""
     eplb = worker.model_runner.eplb_graph
     summary = eplb.summary()
-    window = worker.model_runner.eplb_state.model_states
-    state = next(iter(window.values()))
+    state = next(iter(worker.model_runner.eplb_state.model_states.values()))
     load = state.expert_load_window.sum(dim=0)  # [L, num_physical]
     placement = state.physical_to_logical_map  # [L, num_physical]
-    logical = torch_zeros_like_logical(load, placement, state.model.num_logical_experts)
+    logical = logical_load(load, placement, state.model.num_logical_experts)
     return {"ep_rank": summary["ep_rank"], "expert_seconds": summary["local_expert_seconds"],
             "pairs": sum(summary["local_pairs_computed"].values()),
             "rearrangements": summary["rearrangements_committed"], "bytes_received": summary["bytes_received"],
@@ -87,7 +86,7 @@ def worker_counters(worker) -> dict:
             "logical_load": logical}
 
 
-def torch_zeros_like_logical(load, placement, num_logical: int) -> list[int]:
+def logical_load(load, placement, num_logical: int) -> list[int]:
     """Load per logical expert, summed over layers and replicas."""
     import torch
 
