@@ -17,6 +17,7 @@ grace period, and is killed only past it.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import gc
 import inspect
@@ -28,7 +29,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-import torch.multiprocessing as mp
+from eplb_graph.runtime.process_start import LauncherState, process_context
 
 
 class RankFailure(RuntimeError):
@@ -64,7 +65,8 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable, rank: int, world_size: int, init_method: str, args: tuple, results,
-           heartbeat: Heartbeat, pass_heartbeat: bool) -> None:
+           heartbeat: Heartbeat, pass_heartbeat: bool, launcher: LauncherState) -> None:
+    launcher.apply()
     heartbeat.beat()  # spawned and imported: from here on silence counts
     faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack
     # Ctrl-C reaches the whole process group; the launcher answers it and stops every rank, so a
@@ -78,14 +80,16 @@ def _entry(fn: Callable, rank: int, world_size: int, init_method: str, args: tup
     results.put(report)
     results.close()
     results.join_thread()  # flush the report before the process goes away
-    if not report[1]:
-        raise SystemExit(1)
     # The exit the launcher waits for: atexit handlers and finalizers run (multiprocessing's
     # unlink and unregister this process's semaphores; a rank killed halfway through leaves
-    # the launcher's resource tracker warning of leaked ones). Only the interpreter's last
-    # collection over torch's, vLLM's and Inductor's objects is skipped (seconds per rank), for
-    # memory the process is about to give back anyway.
+    # the launcher's resource tracker warning of leaked ones), here, as a child forked from the
+    # fork server leaves through os._exit. Only the interpreter's last collection over torch's,
+    # vLLM's and Inductor's objects is skipped (seconds per rank), for memory the process is
+    # about to give back anyway.
     gc.freeze()
+    atexit._run_exitfuncs()
+    if not report[1]:
+        raise SystemExit(1)
 
 
 def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 180.0,
@@ -95,14 +99,14 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 180.0,
     ``exit_grace_s``: once every rank has reported, how long they have together to exit on
     their own before they are killed (after a failure the survivors are killed at once)."""
     startup_timeout_s = timeout_s if startup_timeout_s is None else startup_timeout_s
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     beats = [Heartbeat(ctx) for _ in range(world_size)]
     takes_heartbeat = "heartbeat" in inspect.signature(fn).parameters
     processes = [
         ctx.Process(target=_entry, daemon=True,
-                    args=(fn, rank, world_size, init_method, args, results, beats[rank], takes_heartbeat))
+                    args=(fn, rank, world_size, init_method, args, results, beats[rank], takes_heartbeat, LauncherState()))
         for rank in range(world_size)
     ]
     for process in processes:

@@ -177,7 +177,9 @@ class ChaosRun:
             self._inject(self.rng.choice(members[1:]), "kill")
             self._wait(lambda: (coordinator.pending() or coordinator.requests[-1]).kind == "recovery",
                        "the recovery's announcement", 60)
-            survivors = [m for m in coordinator.pending().members] if coordinator.pending() else []
+            with self.server.lock:  # one read: the recovery may switch between two
+                request = coordinator.pending()
+                survivors = list(request.members) if request is not None else []
             if survivors:
                 self._inject(self.rng.choice(survivors), "kill")
         else:
@@ -213,9 +215,19 @@ class ChaosRun:
             expected = FAULTS_PER_ACTION.get(action, 1)
             self._wait(lambda: len(self.coordinator.faults) >= before + expected, f"{action}'s faults detected",
                        self.detect_bound_s + 60)
-            self._wait(lambda: self.coordinator.pending() is None, f"{action}: serving again", 300)
-            for fault in self.coordinator.faults[before:]:
-                self.records.append(self._record(number, action, fault))
+            records: list[dict] = []
+
+            def serving_again() -> bool:
+                # under the server's lock, between two ticks: a tick appends a fault and announces its
+                # recovery together, and read between the two, no recovery is pending yet
+                with self.server.lock:
+                    if self.coordinator.pending() is not None:
+                        return False
+                    records.extend(self._record(number, action, f) for f in self.coordinator.faults[before:])
+                    return True
+
+            self._wait(serving_again, f"{action}: serving again", 300)
+            self.records.extend(records)
             log.info("chaos: %d/%d %s done in %.1f s", number + 1, len(self.actions), action,
                      time.monotonic() - started)
         return self.records

@@ -20,12 +20,13 @@ import sys
 import time
 import traceback
 from dataclasses import asdict
+from multiprocessing.process import BaseProcess
 
 import torch
-import torch.multiprocessing as mp
 
 from eplb_graph.runtime.elastic.protocol import Board
 from eplb_graph.runtime.elastic.spec import ElasticSpec
+from eplb_graph.runtime.process_start import LauncherState, process_context
 
 log = logging.getLogger("eplb_graph.elastic.processes")
 
@@ -59,7 +60,8 @@ def member_main(member: int, spec: ElasticSpec, first_generation: int | None, bo
     return 0
 
 
-def _child(member: int, spec: ElasticSpec, first_generation: int | None) -> None:
+def _child(member: int, spec: ElasticSpec, first_generation: int | None, launcher: LauncherState) -> None:
+    launcher.apply()
     # Ctrl-C reaches the whole process group; the coordinator answers it and stops every member
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = member_main(member, spec, first_generation)
@@ -77,8 +79,8 @@ class MemberProcesses:
 
     def __init__(self, spec: ElasticSpec) -> None:
         self.spec = spec
-        self.ctx = mp.get_context("spawn")
-        self.children: dict[int, mp.Process] = {}
+        self.ctx = process_context()
+        self.children: dict[int, BaseProcess] = {}
         self.outside: dict[int, int] = {}  # members offered from outside, on this host: member -> pid
 
     def adopt(self, member: int, host: str, pid: int) -> None:
@@ -87,7 +89,7 @@ class MemberProcesses:
             self.outside[member] = pid
 
     def start(self, member: int, first_generation: int | None) -> None:
-        process = self.ctx.Process(target=_child, args=(member, self.spec, first_generation), daemon=True,
+        process = self.ctx.Process(target=_child, args=(member, self.spec, first_generation, LauncherState()), daemon=True,
                                    name=f"eplb-graph-member-{member}")
         process.start()
         self.children[member] = process

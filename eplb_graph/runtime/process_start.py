@@ -1,0 +1,74 @@
+"""How the runtime starts its rank and member processes.
+
+Each one is forked from multiprocessing's fork server, which imports torch, vLLM and the runtime
+once: a rank then starts in a fraction of a second instead of importing them afresh, which took
+seconds of CPU per process (more on a loaded machine) and set how fast a joiner could serve.
+Where the platform has no fork server, processes are spawned as before.
+
+A forked child inherits the fork server's environment and standard streams, those of the moment
+the server started. ``LauncherState`` carries the launcher's current ones over, applied before
+the child runs anything, so a child sees what a spawned one would. What the preloaded modules
+read at import (``OMP_*`` when torch loads its thread pool, ``TORCH_DEVICE_BACKEND_AUTOLOAD``) is
+fixed by the environment of the first launch in a process.
+"""
+
+from __future__ import annotations
+
+import os
+from multiprocessing import reduction
+from multiprocessing.context import BaseContext
+
+import torch.multiprocessing as mp
+
+# what a rank or a member imports before its first step; a module missing here is skipped by
+# the fork server and imported by the child as usual
+PRELOAD = (
+    "eplb_graph.runtime.rank",
+    "eplb_graph.runtime.elastic.member_process",
+    "eplb_graph.runtime.elastic.serving",
+    "eplb_graph.runtime.elastic.scripted_member",
+    "vllm.distributed.eplb.eplb_state",
+    "vllm.distributed.eplb.rebalance_execute",
+    "vllm.distributed.eplb.async_worker",
+)
+STANDARD_STREAMS = (1, 2)
+
+
+def process_context() -> BaseContext:
+    """The context rank and member processes start from."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts; later calls change nothing
+    return ctx
+
+
+class LauncherState:
+    """The launcher's environment and standard streams when a child starts; ``apply`` in the child."""
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+        self._streams: list = []
+
+    def __getstate__(self) -> dict:
+        # pickled while the child starts: that is when multiprocessing can hand it a descriptor
+        streams = [(target, reduction.DupFd(target)) for target in STANDARD_STREAMS if _is_open(target)]
+        return {"environ": self.environ, "_streams": streams}
+
+    def apply(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        for target, handle in self._streams:
+            fd = handle.detach()
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+        self._streams = []
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
