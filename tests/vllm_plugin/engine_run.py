@@ -1,9 +1,9 @@
 """One vLLM engine run with the plugin installed; prints one JSON line (run as a script).
 
 Used by test_engine.py: each engine start gets its own process (vLLM keeps global state).
-By default the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the
-worker's EPLB state can be read directly after generation; ``--engine-process`` keeps
-vLLM's default separate engine-core process, and then only the tokens come back.
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the worker's EPLB
+state can be read directly after generation (vLLM's default separate engine-core process is the
+OpenAI server's: test_server.py).
 
 ``--weights`` picks the checkpoint: float32 (the default), online FP8 from a bf16 checkpoint
 (``quantization="fp8_per_block"``, the routed experts only), a pre-quantized block-FP8
@@ -29,7 +29,7 @@ from tests.vllm_plugin.cpu_quantized_experts import (
     lift_if_asked,
 )
 
-lift_if_asked()  # at import: a spawned engine core imports this script too
+lift_if_asked()  # at import: the workers vLLM spawns (TP=2) import this script too
 
 # the routed experts only: vLLM's CPU FP8 linear kernels are a separate matter
 FP8_ONLINE_IGNORE = ["*mlp.gate", "*self_attn.*"]
@@ -48,7 +48,6 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=4)
     parser.add_argument("--interval", type=int, default=8)
     parser.add_argument("--redundant", type=int, default=4)
-    parser.add_argument("--engine-process", action="store_true", help="vLLM's default: engine core in its own process")
     parser.add_argument("--weights", choices=["float32", *CHECKPOINTS], default="float32")
     parser.add_argument("--hide-scales-from-upstream", action="store_true")
     parser.add_argument("--no-derived-moves", action="store_true")
@@ -66,8 +65,7 @@ def main() -> int:
         os.environ.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE=str(size),
                           VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(core) for core in range(size)))
-    if not args.engine_process:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -105,10 +103,6 @@ def main() -> int:
     if args.dp:
         prompts = prompts[args.dp[0] :: args.dp[1]]
     sampling = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
-    if args.engine_process:
-        outputs = llm.generate(prompts, sampling, use_tqdm=False)
-        print("ENGINE_RUN_RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outputs]}), flush=True)
-        return 0
     before = llm.collective_rpc(worker_state)  # every worker, in this process or its own (--tp)
     outputs = llm.generate(prompts, sampling, use_tqdm=False)
     after = llm.collective_rpc(worker_state, kwargs={"digests": args.eplb == "on"})

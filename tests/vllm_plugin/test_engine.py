@@ -5,7 +5,8 @@ random-weight Qwen3-MoE with 8 experts, top-2, 4 redundant slots, window 4, inte
 expert parallel over two worker processes: TP=2 (compiled and eager) and DP=2 (vLLM's offline
 data parallel, one process per rank, compiled), where experts move between the workers and each
 rank computes only the pairs routed to its own slots. Every multi-process run is compared with
-the one-process EPLB-off run.
+the one-process EPLB-off run. vLLM's default layout, the engine core in a process of its own where
+the plugin loads again, is what the OpenAI server runs (test_server.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ RUNS = {
     "compiled_on": ["--eplb", "on", "--mode", "compiled"],
     "eager_off": ["--eplb", "off", "--mode", "eager"],
     "eager_on": ["--eplb", "on", "--mode", "eager"],
-    "engine_process_on": ["--eplb", "on", "--mode", "compiled", "--engine-process"],
     "tp2_compiled_on": ["--eplb", "on", "--mode", "compiled", "--tp", "2"],
     "tp2_eager_on": ["--eplb", "on", "--mode", "eager", "--tp", "2"],
     # the two ranks of one DP=2 engine start together (run_in_pairs); the port is filled in by ``runs``
@@ -92,6 +92,8 @@ def test_compiled_eplb_rearranges_during_generation_with_the_graph_pass(runs):
     eplb = runs["compiled_on"]["eplb"]
     assert runs["compiled_on"]["enable_eplb"] and eplb["built_upstream_state"]
     assert eplb["rearrangements_committed"] >= 3
+    # upstream's own log: every rearrangement committed is one it started
+    assert runs["compiled_on"]["upstream_rearrangements_logged"] >= eplb["rearrangements_committed"]
     # 2 layers per rearrangement, and those of one still in flight when generation ended
     assert eplb["layers_committed"] == 2 * eplb["rearrangements_committed"] + eplb["layers_committed_in_flight"]
     assert eplb["worker_error"] is None and eplb["rejected_placements"] == []
@@ -127,13 +129,6 @@ def test_eager_mode_routes_through_the_router_adapter(runs):
     for key, layer in on["eplb"]["layers"].items():
         assert layer["mapped_by"] == "router_adapter", key
         assert layer["graph_mappings"] == 0 and layer["host_calls"] > 0, key
-
-
-def test_the_default_separate_engine_process_works_the_same(runs):
-    """vLLM's default layout: the plugin loads again in the engine-core process and works there."""
-    run = runs["engine_process_on"]
-    assert run["tokens"] == runs["compiled_off"]["tokens"]
-    assert run["upstream_rearrangements_logged"] >= 3
 
 
 def workers_of(runs, layout: str) -> list[dict]:
