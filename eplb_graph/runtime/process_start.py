@@ -3,7 +3,9 @@
 Each one is forked from multiprocessing's fork server, which imports torch, vLLM and the runtime
 once: a rank then starts in a fraction of a second instead of importing them afresh, which took
 seconds of CPU per process (more on a loaded machine) and set how fast a joiner could serve.
-Where the platform has no fork server, processes are spawned as before.
+Where the platform has no fork server, or ``EPLB_GRAPH_START_METHOD=spawn`` asks for it, processes
+are spawned as before. The fork server imports modules only: CUDA (or any device) is first touched
+in the child, as in a spawned one.
 
 A forked child inherits the fork server's environment and standard streams, those of the moment
 the server started. ``LauncherState`` carries the launcher's current ones over, applied before
@@ -32,11 +34,15 @@ PRELOAD = (
     "vllm.distributed.eplb.async_worker",
 )
 STANDARD_STREAMS = (1, 2)
+START_METHOD_ENV = "EPLB_GRAPH_START_METHOD"
 
 
 def process_context() -> BaseContext:
     """The context rank and member processes start from."""
-    if "forkserver" not in mp.get_all_start_methods():
+    method = os.environ.get(START_METHOD_ENV, "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{START_METHOD_ENV}={method!r}: expected 'forkserver' or 'spawn'")
+    if method == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts; later calls change nothing

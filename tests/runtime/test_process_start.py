@@ -40,3 +40,11 @@ def test_a_child_sees_the_launchers_environment_and_streams_of_the_moment_it_sta
             os.close(fd)
     assert value == "second" and torch_imported  # torch imported by the server, before the child existed
     assert f"stdout of the child {pid}" in out.read_text() and f"stderr of the child {pid}" in err.read_text()
+
+
+def test_spawn_can_be_asked_for_and_a_wrong_method_is_named(monkeypatch):
+    monkeypatch.setenv("EPLB_GRAPH_START_METHOD", "spawn")
+    assert process_context().get_start_method() == "spawn"
+    monkeypatch.setenv("EPLB_GRAPH_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="EPLB_GRAPH_START_METHOD='fork': expected 'forkserver' or 'spawn'"):
+        process_context()
