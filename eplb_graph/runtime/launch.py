@@ -29,7 +29,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from eplb_graph.runtime.process_start import LauncherState, process_context
+from eplb_graph.runtime.process_start import LauncherState, process_context, start_fork_server
 
 
 class RankFailure(RuntimeError):
@@ -100,6 +100,7 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 180.0,
     their own before they are killed (after a failure the survivors are killed at once)."""
     startup_timeout_s = timeout_s if startup_timeout_s is None else startup_timeout_s
     ctx = process_context()
+    start_fork_server(ctx)  # its imports, once per launcher, are bounded apart from each rank's start
     results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     beats = [Heartbeat(ctx) for _ in range(world_size)]
@@ -109,12 +110,12 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 180.0,
                     args=(fn, rank, world_size, init_method, args, results, beats[rank], takes_heartbeat, LauncherState()))
         for rank in range(world_size)
     ]
-    for process in processes:
-        process.start()
     launched = time.monotonic()
     done: dict[int, object] = {}
     failures: dict[int, str] = {}
     try:
+        for process in processes:
+            process.start()
         while len(done) + len(failures) < world_size:
             try:
                 rank, ok, value = results.get(timeout=0.2)
@@ -148,6 +149,8 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 180.0,
                     process.join(max(0.0, deadline - time.monotonic()))
         finally:
             for process in processes:
+                if process.pid is None:  # not started: Ctrl-C while the ranks were starting
+                    continue
                 if process.is_alive():
                     process.kill()
                 process.join(5)

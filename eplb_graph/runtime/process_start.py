@@ -8,15 +8,17 @@ are spawned as before. The fork server imports modules only: CUDA (or any device
 in the child, as in a spawned one.
 
 A forked child inherits the fork server's environment and standard streams, those of the moment
-the server started. ``LauncherState`` carries the launcher's current ones over, applied before
-the child runs anything, so a child sees what a spawned one would. What the preloaded modules
-read at import (``OMP_*`` when torch loads its thread pool, ``TORCH_DEVICE_BACKEND_AUTOLOAD``) is
-fixed by the environment of the first launch in a process.
+the server started. ``LauncherState`` carries the launcher's current ones over, applied first
+thing in the child's target, so from there on a child sees what a spawned one would. Before it,
+under the server's environment and streams: unpickling the target and its arguments (importing a
+module the server has not), and what the preloaded modules read at import (``OMP_*`` when torch
+loads its thread pool, ``TORCH_DEVICE_BACKEND_AUTOLOAD``), fixed by the first launch in a process.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from multiprocessing import reduction
 from multiprocessing.context import BaseContext
 
@@ -35,6 +37,8 @@ PRELOAD = (
 )
 STANDARD_STREAMS = (1, 2)
 START_METHOD_ENV = "EPLB_GRAPH_START_METHOD"
+# the fork server's one start, its imports included, on a loaded machine
+FORK_SERVER_START_S = 300.0
 
 
 def process_context() -> BaseContext:
@@ -47,6 +51,40 @@ def process_context() -> BaseContext:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts; later calls change nothing
     return ctx
+
+
+def start_fork_server(ctx: BaseContext, timeout_s: float = FORK_SERVER_START_S) -> None:
+    """Starts the fork server (once per launcher process) and waits for its imports, bounded.
+
+    Done before any rank starts: the first start blocks until the server has imported its
+    modules, and a Ctrl-C or a timeout then would leave a rank the server forks later, unknown
+    to its launcher. Here only a child that does nothing can be left."""
+    if ctx.get_start_method() != "forkserver":
+        return
+    outcome: list[BaseException | None] = []
+
+    def start_one_that_does_nothing() -> None:
+        try:
+            child = ctx.Process(target=_do_nothing, daemon=True)
+            child.start()
+            child.join()
+            outcome.append(None)
+        except BaseException as error:  # the server died importing, say
+            outcome.append(error)
+
+    starter = threading.Thread(target=start_one_that_does_nothing, daemon=True, name="eplb-graph-fork-server-start")
+    starter.start()
+    starter.join(timeout_s)
+    if not outcome:
+        raise TimeoutError(f"multiprocessing's fork server not ready after {timeout_s:.0f} s (importing "
+                           f"{', '.join(PRELOAD)}); {START_METHOD_ENV}=spawn starts processes without it")
+    if outcome[0] is not None:
+        raise RuntimeError(f"multiprocessing's fork server failed to start: {outcome[0]!r}; "
+                           f"{START_METHOD_ENV}=spawn starts processes without it") from outcome[0]
+
+
+def _do_nothing() -> None:
+    pass
 
 
 class LauncherState:

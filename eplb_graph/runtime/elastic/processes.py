@@ -26,7 +26,7 @@ import torch
 
 from eplb_graph.runtime.elastic.protocol import Board
 from eplb_graph.runtime.elastic.spec import ElasticSpec
-from eplb_graph.runtime.process_start import LauncherState, process_context
+from eplb_graph.runtime.process_start import LauncherState, process_context, start_fork_server
 
 log = logging.getLogger("eplb_graph.elastic.processes")
 
@@ -80,6 +80,7 @@ class MemberProcesses:
     def __init__(self, spec: ElasticSpec) -> None:
         self.spec = spec
         self.ctx = process_context()
+        start_fork_server(self.ctx)  # before the first member: its imports, once, bounded
         self.children: dict[int, BaseProcess] = {}
         self.outside: dict[int, int] = {}  # members offered from outside, on this host: member -> pid
 
@@ -117,7 +118,9 @@ class MemberProcesses:
         return False
 
     def signal(self, member: int, signum: int) -> None:
-        os.kill(self.children[member].pid if member in self.children else self.outside[member], signum)
+        """A member that has exited (and was reaped) takes no signal: its death is detected as any other."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.children[member].pid if member in self.children else self.outside[member], signum)
 
     def stop_all(self, grace_s: float) -> None:
         """Every child that has not exited by ``grace_s`` (in all) is killed."""
