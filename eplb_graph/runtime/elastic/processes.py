@@ -80,7 +80,6 @@ class MemberProcesses:
     def __init__(self, spec: ElasticSpec) -> None:
         self.spec = spec
         self.ctx = process_context()
-        start_fork_server(self.ctx)  # before the first member: its imports, once, bounded
         self.children: dict[int, BaseProcess] = {}
         self.outside: dict[int, int] = {}  # members offered from outside, on this host: member -> pid
 
@@ -90,8 +89,10 @@ class MemberProcesses:
             self.outside[member] = pid
 
     def start(self, member: int, first_generation: int | None) -> None:
-        process = self.ctx.Process(target=_child, args=(member, self.spec, first_generation, LauncherState()), daemon=True,
-                                   name=f"eplb-graph-member-{member}")
+        if not self.children:  # before the first member: the fork server's imports, once, bounded
+            start_fork_server(self.ctx)
+        process = self.ctx.Process(target=_child, args=(member, self.spec, first_generation, LauncherState()),
+                                   daemon=True, name=f"eplb-graph-member-{member}")
         process.start()
         self.children[member] = process
 
