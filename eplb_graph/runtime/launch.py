@@ -67,7 +67,7 @@ def free_port() -> int:
 def _entry(fn: Callable, rank: int, world_size: int, init_method: str, args: tuple, results,
            heartbeat: Heartbeat, pass_heartbeat: bool, launcher: LauncherState) -> None:
     launcher.apply()
-    heartbeat.beat()  # spawned and imported: from here on silence counts
+    heartbeat.beat()  # started and imported: from here on silence counts
     faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack
     # Ctrl-C reaches the whole process group; the launcher answers it and stops every rank, so a
     # rank does not report its own interruption as a failure first
@@ -106,8 +106,8 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 180.0,
     beats = [Heartbeat(ctx) for _ in range(world_size)]
     takes_heartbeat = "heartbeat" in inspect.signature(fn).parameters
     processes = [
-        ctx.Process(target=_entry, daemon=True,
-                    args=(fn, rank, world_size, init_method, args, results, beats[rank], takes_heartbeat, LauncherState()))
+        ctx.Process(target=_entry, daemon=True, args=(fn, rank, world_size, init_method, args, results, beats[rank],
+                                                      takes_heartbeat, LauncherState()))
         for rank in range(world_size)
     ]
     launched = time.monotonic()

@@ -8,8 +8,6 @@ import pytest
 from eplb_graph.runtime.process_start import LauncherState, process_context
 from tests.runtime import process_start_cases
 
-pytestmark = pytest.mark.launches  # a fork server and its children
-
 
 def start_child(name: str) -> tuple:
     ctx = process_context()
@@ -23,6 +21,7 @@ def start_child(name: str) -> tuple:
     return report
 
 
+@pytest.mark.launches  # a fork server and its children
 def test_a_child_sees_the_launchers_environment_and_streams_of_the_moment_it_starts(monkeypatch, tmp_path):
     monkeypatch.setenv("EPLB_GRAPH_TEST_LAUNCHER", "first")
     start_child("EPLB_GRAPH_TEST_LAUNCHER")  # the fork server runs from here on, with this environment and streams

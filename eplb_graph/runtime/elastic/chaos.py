@@ -215,22 +215,21 @@ class ChaosRun:
             expected = FAULTS_PER_ACTION.get(action, 1)
             self._wait(lambda: len(self.coordinator.faults) >= before + expected, f"{action}'s faults detected",
                        self.detect_bound_s + 60)
-            records: list[dict] = []
-
-            def serving_again() -> bool:
-                # under the server's lock, between two ticks: a tick appends a fault and announces its
-                # recovery together, and read between the two, no recovery is pending yet
-                with self.server.lock:
-                    if self.coordinator.pending() is not None:
-                        return False
-                    records.extend(self._record(number, action, f) for f in self.coordinator.faults[before:])
-                    return True
-
-            self._wait(serving_again, f"{action}: serving again", 300)
+            records, = self._wait(lambda: self._records_once_serving(number, action, before),
+                                  f"{action}: serving again", 300)
             self.records.extend(records)
             log.info("chaos: %d/%d %s done in %.1f s", number + 1, len(self.actions), action,
                      time.monotonic() - started)
         return self.records
+
+    def _records_once_serving(self, number: int, action: str, before: int) -> tuple[list[dict]] | None:
+        """The action's faults recorded, once no recovery is pending (a 1-tuple: none may be recorded).
+        Under the server's lock: a tick appends a fault and announces its recovery together, and read
+        between the two, no recovery is pending yet."""
+        with self.server.lock:
+            if self.coordinator.pending() is not None:
+                return None
+            return [self._record(number, action, fault) for fault in self.coordinator.faults[before:]],
 
     def _record(self, number: int, action: str, fault) -> dict:
         """One fault: injected (or a member lost that nobody touched), detected after, serving again
