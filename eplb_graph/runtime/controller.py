@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from eplb_graph.layer_lookup import BatchFlags, LayerLookup, RoutedLayer, batch_in_load_phase, check_load_phase
+from eplb_graph.upstream import patches
 from eplb_graph.upstream.binding import BindingStats, UpstreamBinding
 from eplb_graph.upstream.watchdog import StallBound
 
@@ -140,7 +141,8 @@ class EplbController:
                 from eplb_graph.runtime.policy_process import PolicyProcess
 
                 self.policy_process = PolicyProcess(self.state.policy, timeout_s=transfer_timeout_s)
-                self.state.policy = self.policy_process  # what upstream's worker calls; same signature
+                # what upstream's worker calls; same signature
+                patches.install("runtime.policy_process", self.policy_process, by=self, on=self.state)
             self.communicator = GlooStagedCommunicator(get_eplb_group().cpu_group, timeout_s=transfer_timeout_s)
             self.state.update_communicator(self.model_key, self.communicator)
             self.model_state = next(iter(self.state.model_states.values()))
@@ -155,8 +157,8 @@ class EplbController:
         """Upstream records into ``load_buffer`` and starts from the layers' current placement
         (upstream's own ``update_mapping``, as its ``from_mapping`` does)."""
         model_state = next(iter(self.state.model_states.values()))
-        model_state.expert_load_pass_buffer = load_buffer
-        model_state.expert_load_pass = load_buffer[:, :num_physical]
+        patches.configure("runtime.load_buffer", load_buffer, on=model_state)
+        patches.configure("runtime.load_pass", load_buffer[:, :num_physical], on=model_state)
         placements = torch.stack([layer.tables.physical_to_logical for layer in self.layers])  # [L, width]
         if (placements[:, num_physical:] >= 0).any():
             raise ValueError(f"the layers place experts beyond the {num_physical} slots upstream is to place")

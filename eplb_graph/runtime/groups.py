@@ -19,6 +19,7 @@ import torch
 
 from eplb_graph.runtime.config import RunConfig
 from eplb_graph.runtime.step import rank_threads
+from eplb_graph.upstream import patches
 
 # Building a VllmConfig runs the platform's checks for vLLM's own model runner, whose warnings
 # (no Triton for the V2 runner, the mamba state dtype) do not apply to bare EP groups; every
@@ -55,7 +56,7 @@ def inductor_compile_threads_kept() -> Iterator[None]:
             os.environ[name] = before
         config = sys.modules.get("torch._inductor.config")
         if config is not None:  # decided at its import: decide again under the restored environment
-            config.compile_threads = config.decide_compile_threads()
+            patches.configure("runtime.compile_threads", config.decide_compile_threads(), on=config)
 
 
 def eplb_vllm_config(world_size: int, *, num_redundant_experts: int, window_size: int, step_interval: int):
@@ -65,14 +66,10 @@ def eplb_vllm_config(world_size: int, *, num_redundant_experts: int, window_size
 
     with _quiet_model_runner_checks():
         config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=world_size, enable_expert_parallel=True))
-    config.parallel_config.enable_eplb = True
-    config.parallel_config.eplb_config = EPLBConfig(
-        window_size=window_size,
-        step_interval=step_interval,
-        use_async=True,
-        communicator="torch_gloo",
-        num_redundant_experts=num_redundant_experts,
-    )
+    patches.configure("config.cpu_enable_eplb", True, on=config.parallel_config)  # ParallelConfig refuses it on CPU
+    eplb = EPLBConfig(window_size=window_size, step_interval=step_interval, use_async=True, communicator="torch_gloo",
+                      num_redundant_experts=num_redundant_experts)
+    patches.configure("config.cpu_eplb_config", eplb, on=config.parallel_config)
     return config
 
 

@@ -56,6 +56,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from eplb_graph.upstream import patches
+
 GIL_PROBE_INTERVAL_S = 1e-3  # a few wake-ups per decode step; each costs microseconds of GIL
 
 
@@ -164,68 +166,77 @@ def _run_delay_ns(fd: int) -> int:
 
 
 # EplbState's methods the probes time, by phase: the step, its ready all-reduce, and the
-# rearrangement it starts (its load all-reduce, the worker's kick-off)
-_STATE_METHODS = {"step": "upstream_step", "_all_ranks_result_ready": "upstream_ready_sync",
-                  "rearrange": "upstream_rearrange"}
+# rearrangement it starts (its load all-reduce, the worker's kick-off); the adaptation of each
+_STATE_METHODS = {"step": ("upstream_step", "probes.state_step"),
+                  "_all_ranks_result_ready": ("upstream_ready_sync", "probes.state_ready_sync"),
+                  "rearrange": ("upstream_rearrange", "probes.state_rearrange")}
 
 
 class StepProbes:
-    """The probes of one rank's steps, on its controller; ``begin_step`` / ``end_step`` per step."""
+    """The probes of one rank's steps, on its controller; ``begin_step`` / ``end_step`` per step.
+    Installed over the capability adapter (``adaptations.py``: ``probes.*``), taken back by ``close``
+    before the adapter is."""
 
     def __init__(self, controller, interval_s: float = GIL_PROBE_INTERVAL_S) -> None:
-        from vllm.distributed.eplb import eplb_state
-
         state = controller.state
         worker = getattr(state, "async_worker", None)
         if not isinstance(worker, threading.Thread):
             raise ValueError("step probes need upstream's async worker running (EplbState.async_worker)")
-        for name in _STATE_METHODS:
-            if not hasattr(state, name):
-                raise RuntimeError(f"upstream vLLM no longer defines EplbState.{name}; the step probes must be updated")
-        for name in ("compute_logical_maps", "_move_to_workspace", "move_from_buffer", "_commit_eplb_maps_for_layer"):
-            if not hasattr(eplb_state, name):
-                raise RuntimeError(f"upstream vLLM no longer defines eplb_state.{name}; the step probes must be updated")
         self.clock = PhaseClock()
-        self._state, self._module, self._adapter = state, eplb_state, controller.binding.adapter
-        self._originals = {"commit_hook": self._adapter.commit_hook,
-                           "compute_logical_maps": eplb_state.compute_logical_maps,
-                           "_move_to_workspace": eplb_state._move_to_workspace,
-                           "move_from_buffer": eplb_state.move_from_buffer,
-                           "_commit_eplb_maps_for_layer": eplb_state._commit_eplb_maps_for_layer}
-        # instance attributes shadow EplbState's methods: the controller and step() look them up there
-        for name, phase in _STATE_METHODS.items():
-            setattr(state, name, self.clock.wrap(phase, getattr(state, name)))
-        timed_ready, main = state._all_ranks_result_ready, threading.get_ident()
+        self._state, self._adapter = state, controller.binding.adapter
+        self._upstream_commit_hook = self._adapter.commit_hook
+        self._installed: list[tuple[str, object | None]] = []  # (key, instance or None), in order
+        try:
+            self._install(state, main=threading.get_ident())
+        except BaseException:
+            self._take_back()
+            raise
+        self._worker_clock = thread_cpu_clock(worker)
+        self.gil = GilProbe({"worker": worker, "main": threading.current_thread()}, interval_s).start()
+        self._start: tuple[int, int] = (0, 0)
+
+    def _wrap(self, key: str, replacement, on: object | None = None) -> None:
+        patches.install(key, replacement, by=self, on=on)
+        self._installed.append((key, on))
+
+    def _install(self, state, main: int) -> None:
+        """Instance wrappers shadow EplbState's methods (the controller and step() look them up on
+        the instance); the module functions upstream's step calls are wrapped where they live."""
         self._sync_entry_ns: int | None = None
-
-        def all_ranks_result_ready(model_state):
-            if self._sync_entry_ns is None and threading.get_ident() == main:
-                self._sync_entry_ns = monotonic_ns()  # this rank at upstream's ready all-reduce
-            return timed_ready(model_state)
-
-        state._all_ranks_result_ready = all_ranks_result_ready
-        hook = self.clock.wrap("ours_commit_hook", self._originals["commit_hook"])
+        for name, (phase, key) in _STATE_METHODS.items():
+            timed = self.clock.wrap(phase, getattr(state, name))
+            if name == "_all_ranks_result_ready":
+                timed = self._noting_sync_entry(timed, main)
+            self._wrap(key, timed, on=state)
+        hook = self.clock.wrap("ours_commit_hook", self._upstream_commit_hook)
         self._hook_end: int | None = None
 
         def commit_hook(model_state, layer_index):
             hook(model_state, layer_index)
             self._hook_end = time.perf_counter_ns()  # what follows until _move_to_workspace returns: the ack
 
+        upstream_move = patches.current("probes.move_to_workspace")
+
         def move_to_workspace(*args, **kwargs):
             self._hook_end = None
-            self._originals["_move_to_workspace"](*args, **kwargs)
+            upstream_move(*args, **kwargs)
             if self._hook_end is not None:
                 self.clock.mark("ours_ack", self._hook_end)
 
-        self._adapter.commit_hook = commit_hook
-        eplb_state.compute_logical_maps = self.clock.wrap("ours_inversion", self._originals["compute_logical_maps"])
-        eplb_state._move_to_workspace = move_to_workspace
-        eplb_state.move_from_buffer = self.clock.wrap("upstream_install", self._originals["move_from_buffer"])
+        self._adapter.commit_hook = commit_hook  # our own adapter's hook, not upstream's
+        self._wrap("probes.logical_maps", self.clock.wrap("ours_inversion", patches.current("probes.logical_maps")))
+        self._wrap("probes.move_to_workspace", move_to_workspace)
+        self._wrap("probes.move_from_buffer", self.clock.wrap("upstream_install", patches.current("probes.move_from_buffer")))
         # the capability adapter's commit wrapper: upstream's map commit, then our hook inside it
-        eplb_state._commit_eplb_maps_for_layer = self.clock.wrap("commit_layer", self._originals["_commit_eplb_maps_for_layer"])
-        self._worker_clock = thread_cpu_clock(worker)
-        self.gil = GilProbe({"worker": worker, "main": threading.current_thread()}, interval_s).start()
-        self._start: tuple[int, int] = (0, 0)
+        self._wrap("probes.commit_layer", self.clock.wrap("commit_layer", patches.current("probes.commit_layer")))
+
+    def _noting_sync_entry(self, timed_ready, main: int):
+        def all_ranks_result_ready(model_state):
+            if self._sync_entry_ns is None and threading.get_ident() == main:
+                self._sync_entry_ns = monotonic_ns()  # this rank at upstream's ready all-reduce
+            return timed_ready(model_state)
+
+        return all_ranks_result_ready
 
     def begin_step(self) -> None:
         self.clock.take()  # what ran between steps is no step's
@@ -262,8 +273,10 @@ class StepProbes:
     def close(self) -> None:
         """Stops the probe thread and takes the wrappers out (before the controller closes)."""
         self.gil.stop()
-        for name in _STATE_METHODS:
-            self._state.__dict__.pop(name, None)
-        self._adapter.commit_hook = self._originals.pop("commit_hook")
-        for name, original in self._originals.items():
-            setattr(self._module, name, original)
+        self._take_back()
+
+    def _take_back(self) -> None:
+        for key, on in reversed(self._installed):
+            patches.uninstall(key, on=on)
+        self._installed.clear()
+        self._adapter.commit_hook = self._upstream_commit_hook

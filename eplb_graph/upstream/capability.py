@@ -9,9 +9,10 @@ And on every platform, each layer commit inverts the new placement on the main t
 replays at every layer commit that grows with the expert count (``bench_commit.py``).
 
 Each gap is one named patch of the name *where upstream imports it*, never a rewrite of
-upstream logic; each target is asserted to exist first, so an upstream refactor fails
-loudly instead of silently bypassing the adapter. The patches are idempotent and
-reversible (``uninstall``). Two patches swap an upstream function for a faster one with the
+upstream logic, declared in ``adaptations.py`` (``capability.*``) and installed through
+``patches.py``: each target is checked against its declared shape first, so an upstream
+refactor fails loudly instead of silently bypassing the adapter. Installing is idempotent and
+all or nothing, and ``uninstall`` takes every patch back. Two patches swap an upstream function for a faster one with the
 same contract (vectorized; equal outputs are tested against upstream's on every input
 class): ``compute_logical_maps`` for ``layer_lookup.logical_maps`` on the main thread, and
 the worker's per-layer transfer planning, ``get_ep_ranks_with_experts_batch``, for
@@ -38,6 +39,8 @@ from dataclasses import dataclass, field
 import torch
 
 from eplb_graph.placement import logical_maps
+from eplb_graph.upstream import patches
+from eplb_graph.upstream.adaptations import adaptation
 from eplb_graph.upstream.transfer_peers import ranks_with_experts
 
 
@@ -153,14 +156,6 @@ class WorkerHealth:
             ) from self.error
 
 
-@dataclass
-class _Patch:
-    module: object
-    name: str
-    original: object
-    replacement: object
-
-
 def ends_rearrangement(model_state, layer_index: int | None) -> bool:
     """Whether a commit (``commit_hook``'s arguments) ends a rearrangement, by upstream's own
     rule: the async path commits layers in order and ``_move_to_workspace`` ends the
@@ -182,7 +177,7 @@ class UpstreamCapabilityAdapter:
         self.commit_hook = commit_hook
         self.placement_check = placement_check
         self.health = WorkerHealth()
-        self._patches: list[_Patch] = []
+        self._keys: list[str] = []  # installed, in order
 
     @property
     def host_device(self) -> bool:
@@ -191,53 +186,52 @@ class UpstreamCapabilityAdapter:
 
     # -- installation ------------------------------------------------------------------
 
-    def _patch(self, module, name: str, replacement) -> None:
-        if not hasattr(module, name):
-            raise RuntimeError(
-                f"upstream vLLM no longer defines {module.__name__}.{name}; the EPLB capability "
-                f"adapter must be updated for this vLLM version"
-            )
-        if any(p.module is module and p.name == name for p in self._patches):
-            return  # idempotent
-        self._patches.append(_Patch(module, name, getattr(module, name), replacement))
-        setattr(module, name, replacement)
+    def _patch(self, key: str, replacement) -> None:
+        patches.install(key, replacement, by=self)
+        self._keys.append(key)
 
     def install(self) -> UpstreamCapabilityAdapter:
-        from vllm.distributed.eplb import async_worker, eplb_communicator, eplb_state, rebalance_execute
-
-        if self.host_device:
-            # Events and streams: the names as each module imported them.
-            self._patch(eplb_state, "CpuGpuEvent", HostEvent)
-            self._patch(eplb_state, "torch", TorchWithHostEvents())
-            self._patch(async_worker, "CpuGpuEvent", HostEvent)
-            for module in (async_worker, rebalance_execute, eplb_communicator):
-                self._patch(module, "device_stream", host_device_stream)
-        # Worker start: a device index only cuda/xpu get, a stream on torch.accelerator,
-        # and an exception swallowed by a log line. Ours runs upstream's loop unchanged.
-        self._patch(eplb_state, "start_async_worker", self._start_async_worker)
-        # Commit points: refresh our lookups between upstream's commit and its ack.
-        self._patch(eplb_state, "_commit_eplb_maps_for_layer", self._commit_layer(eplb_state._commit_eplb_maps_for_layer))
-        self._patch(eplb_state, "_commit_eplb_maps", self._commit_all(eplb_state._commit_eplb_maps))
-        if self.placement_check is not None:
-            self._patch(async_worker, "run_rebalance_experts", self._checked_policy(async_worker.run_rebalance_experts))
-        # The placement inversion every commit runs on the main thread: same outputs, no Python loop.
-        self._patch(eplb_state, "compute_logical_maps", logical_maps)
-        # The worker's transfer planning, twice per layer: same outputs, no per-expert loop.
-        self._patch(rebalance_execute, "get_ep_ranks_with_experts_batch", ranks_with_experts)
-        # Read (not patched) by the controller to decide a batch's record flag on the host.
-        if not hasattr(eplb_state.EplbState, "_should_record_current_step"):
-            raise RuntimeError("upstream vLLM no longer defines EplbState._should_record_current_step; "
-                               "the EPLB controller adapter must be updated for this vLLM version")
+        """Installs every patch this device needs, or none (an error takes back what went in)."""
+        if self._keys:
+            return self  # idempotent
+        try:
+            self._install()
+        except BaseException:
+            self.uninstall()
+            raise
         return self
 
+    def _install(self) -> None:
+        if self.host_device:
+            # Events and streams: the names as each module imported them.
+            self._patch("capability.state_event", HostEvent)
+            self._patch("capability.state_timing_event", TorchWithHostEvents())
+            self._patch("capability.worker_event", HostEvent)
+            for key in ("capability.worker_stream", "capability.execute_stream", "capability.communicator_stream"):
+                self._patch(key, host_device_stream)
+        # Worker start: a device index only cuda/xpu get, a stream on torch.accelerator,
+        # and an exception swallowed by a log line. Ours runs upstream's loop unchanged.
+        self._patch("capability.start_async_worker", self._start_async_worker)
+        # Commit points: refresh our lookups between upstream's commit and its ack.
+        self._patch("capability.commit_layer", self._commit_layer(patches.current("capability.commit_layer")))
+        self._patch("capability.commit_all", self._commit_all(patches.current("capability.commit_all")))
+        if self.placement_check is not None:
+            self._patch("capability.checked_policy", self._checked_policy(patches.current("capability.checked_policy")))
+        # The placement inversion every commit runs on the main thread: same outputs, no Python loop.
+        self._patch("capability.logical_maps", logical_maps)
+        # The worker's transfer planning, twice per layer: same outputs, no per-expert loop.
+        self._patch("capability.transfer_peers", ranks_with_experts)
+        # Read (not patched) by the controller to decide a batch's record flag on the host.
+        patches.require("capability.record_flag")
+
     def uninstall(self) -> None:
-        for patch in reversed(self._patches):
-            setattr(patch.module, patch.name, patch.original)
-        self._patches.clear()
+        for key in reversed(self._keys):
+            patches.uninstall(key)
+        self._keys.clear()
 
     @property
     def installed(self) -> list[str]:
-        return [f"{p.module.__name__.rsplit('.', 1)[-1]}.{p.name}" for p in self._patches]
+        return [f"{adaptation(key).module.rsplit('.', 1)[-1]}.{adaptation(key).attribute}" for key in self._keys]
 
     # -- the replacements ----------------------------------------------------------------
 

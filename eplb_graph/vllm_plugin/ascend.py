@@ -25,8 +25,8 @@ toolkit breaks ``import torch`` itself, and vLLM imports them where they belong.
 
 from __future__ import annotations
 
-# Module and class names of vllm-ascend's model runners (Model Runner V1 and V2).
-ASCEND_RUNNERS = (
-    ("vllm_ascend.worker.model_runner_v1", "NPUModelRunner"),
-    ("vllm_ascend.worker.v2.model_runner", "NPUModelRunner"),
-)
+from eplb_graph.upstream.adaptations import ADAPTATIONS
+
+# Module and class names of vllm-ascend's model runners (Model Runner V1 and V2), as declared
+# in the adaptations that wrap their load_model.
+ASCEND_RUNNERS = tuple((a.module, a.qualname.split(".")[0]) for a in ADAPTATIONS if a.when.requires == "vllm_ascend")

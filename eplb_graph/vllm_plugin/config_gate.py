@@ -26,6 +26,8 @@ import functools
 import os
 from typing import TYPE_CHECKING
 
+from eplb_graph.upstream import patches
+from eplb_graph.upstream.adaptations import PLUGIN, adaptation, applicable
 from eplb_graph.upstream.watchdog import stall_bound_from_env
 
 from .expert_views import SUPPORTED_QUANTIZATIONS, VIEWED_MOE_METHODS
@@ -42,8 +44,7 @@ LEGACY_EPLB_CONTROLS = (
     "num_wait_worker_iterations",
     "gate_eplb",
 )
-PASS_SLOT = "post_grad_custom_post_pass"
-_GATE_MARK = "__eplb_graph_gate__"
+PASS_SLOT = adaptation("gate.post_grad_pass").shape.item  # "post_grad_custom_post_pass"
 
 
 class EplbConfigError(ValueError):
@@ -127,11 +128,10 @@ def install_pass(compilation_config) -> None:
     """Our pass in the post-grad slot, wrapping (never replacing) a user pass there. Idempotent."""
     from .graph_pass import VllmEplbPass
 
-    slot = compilation_config.inductor_compile_config
-    existing = slot.get(PASS_SLOT)
+    existing = compilation_config.inductor_compile_config.get(PASS_SLOT)
     if isinstance(existing, VllmEplbPass):
         return
-    slot[PASS_SLOT] = VllmEplbPass(user_pass=existing)
+    patches.configure("gate.post_grad_pass", VllmEplbPass(user_pass=existing), on=compilation_config)
 
 
 def create_engine_config_with_eplb(upstream_create, engine_args, *args, **kwargs):
@@ -141,6 +141,7 @@ def create_engine_config_with_eplb(upstream_create, engine_args, *args, **kwargs
         return upstream_create(engine_args, *args, **kwargs)  # plugin installed, EPLB off: upstream as is
     on_cpu = current_platform.is_cpu()
     check_eplb_request(engine_args, on_cpu=on_cpu)
+    check_adaptations(platform_name(current_platform))
     if on_cpu:
         from vllm.config.parallel import EPLBConfig
 
@@ -155,8 +156,8 @@ def create_engine_config_with_eplb(upstream_create, engine_args, *args, **kwargs
         eplb = copy.deepcopy(requested)
         if eplb.communicator is None:
             eplb.communicator = "torch_gloo"  # upstream's auto-selection lives in the validator we skipped
-        config.parallel_config.enable_eplb = True
-        config.parallel_config.eplb_config = eplb
+        patches.configure("config.cpu_enable_eplb", True, on=config.parallel_config)
+        patches.configure("config.cpu_eplb_config", eplb, on=config.parallel_config)
     else:
         config = upstream_create(engine_args, *args, **kwargs)
     problem = built_quantization_problem(config)
@@ -166,17 +167,32 @@ def create_engine_config_with_eplb(upstream_create, engine_args, *args, **kwargs
     return config
 
 
+def platform_name(platform) -> str:
+    """vLLM's current platform as ``adaptations.When`` names platforms."""
+    if platform.is_cpu():
+        return "cpu"
+    return "npu" if platform.device_type == "npu" else "cuda"
+
+
+def check_adaptations(platform: str) -> None:
+    """Refuses, naming each target, an EPLB request whose upstream adaptations do not hold here
+    (``eplb-graph doctor`` reports the same checks), before any worker starts. It imports the
+    modules they target, the model runners included: with EPLB on only."""
+    broken = [check for check in patches.check_all(applicable(platform, PLUGIN)) if check.broken]
+    if broken:
+        raise EplbConfigError(
+            "eplb-graph cannot serve EPLB on this vLLM: upstream changed what it adapts (run `eplb-graph doctor`):\n  "
+            + "\n  ".join(f"{check.describe()}; eplb-graph adapts it for: {check.adaptation.why}" for check in broken))
+
+
 def install_engine_config_gate() -> None:
     """Wraps ``EngineArgs.create_engine_config`` once per process."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    upstream_create = EngineArgs.create_engine_config
-    if getattr(upstream_create, _GATE_MARK, False):
+    if patches.installed("gate.create_engine_config"):
         return
+    upstream_create = patches.current("gate.create_engine_config")
 
     @functools.wraps(upstream_create)
     def create_engine_config(self, *args, **kwargs):
         return create_engine_config_with_eplb(upstream_create, self, *args, **kwargs)
 
-    setattr(create_engine_config, _GATE_MARK, True)
-    EngineArgs.create_engine_config = create_engine_config
+    patches.install("gate.create_engine_config", create_engine_config, by=PLUGIN)

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from eplb_graph.custom_ops import EP_GROUPS
+from eplb_graph.upstream import patches
 
-HOOKS = ("all_gatherv", "reduce_scatterv")
+HOOKS = {"all_gatherv": "dp_dispatch.all_gatherv", "reduce_scatterv": "dp_dispatch.reduce_scatterv"}  # -> adaptation
 
 
 class DpDispatchError(RuntimeError):
@@ -42,18 +43,18 @@ class VariableSizeCollectives:
         if type(communicator).__name__ != "CpuCommunicator":
             raise DpDispatchError(f"group {coordinator.unique_name}: eplb-graph serves DP dispatch on vLLM's "
                                   f"CpuCommunicator, this group has {type(communicator).__name__}")
-        if any(hook in vars(communicator) for hook in HOOKS):
+        if any(patches.installed(key, on=communicator) for key in HOOKS.values()):
             raise DpDispatchError(f"group {coordinator.unique_name}: its variable-size collectives are already bound")
         self.name = name
         self.communicator = communicator
         self.slot = VllmGroupSlot(communicator.device_group, coordinator.rank_in_group, coordinator.world_size)
         EP_GROUPS.register(name, self.slot)
-        communicator.all_gatherv = self.all_gatherv
-        communicator.reduce_scatterv = self.reduce_scatterv
+        for hook, key in HOOKS.items():
+            patches.install(key, getattr(self, hook), by=self, on=communicator)
 
     def unbind(self) -> None:
-        for hook in HOOKS:
-            vars(self.communicator).pop(hook, None)
+        for key in reversed(HOOKS.values()):
+            patches.uninstall(key, on=self.communicator)
         EP_GROUPS.unregister(self.name)
 
     def _sizes(self, rows, sizes: list[int] | None) -> list:

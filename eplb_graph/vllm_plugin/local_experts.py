@@ -16,11 +16,13 @@ import torch
 
 from eplb_graph.custom_ops import LOCAL_EXPERTS
 from eplb_graph.custom_ops.local_experts import PairCounts
+from eplb_graph.upstream import patches
+from eplb_graph.upstream.adaptations import ADAPTATIONS
 
 # vLLM's CPU experts whose apply takes (token, k) rows with local ids and top-k weights, applies
-# the weights and sums over k itself (TopKWeightAndReduceNoOP), and keeps its own scratch space
-PAIR_EXPERTS = ("CPUUnquantizedExperts", "CPUExpertsFp8", "CPUExpertsInt4")
-HOOK = "apply"
+# the weights and sums over k itself (TopKWeightAndReduceNoOP), and keeps its own scratch space:
+# class name -> the adaptation that hooks its instances' apply (``local_experts.*``)
+PAIR_EXPERTS = {a.qualname.split(".")[0]: a.key for a in ADAPTATIONS if a.key.startswith("local_experts.")}
 
 
 class LocalExpertsError(RuntimeError):
@@ -43,7 +45,8 @@ class LocalPairExperts:
                 f"layer {key}: expert parallel on CPU runs each rank's own pairs through {', '.join(PAIR_EXPERTS)}; "
                 f"this layer's experts are {type(experts).__name__}"
             )
-        if HOOK in vars(experts):
+        self.adaptation = PAIR_EXPERTS[pair_experts_class(experts)]
+        if patches.installed(self.adaptation, on=experts):
             raise LocalExpertsError(f"layer {key}: its experts' apply is already bound")
         self.key = key
         self.experts = experts
@@ -52,10 +55,10 @@ class LocalPairExperts:
         self.global_num_experts = int(routed_experts.global_num_experts)
         self.apply_router_weight_on_input = bool(routed_experts.apply_router_weight_on_input)
         LOCAL_EXPERTS.register(key, self)
-        setattr(experts, HOOK, self.apply)
+        patches.install(self.adaptation, self.apply, by=self, on=experts)
 
     def unbind(self) -> None:
-        vars(self.experts).pop(HOOK, None)
+        patches.uninstall(self.adaptation, on=self.experts)
         LOCAL_EXPERTS.unregister(self.key)
 
     @property

@@ -19,29 +19,30 @@ from __future__ import annotations
 import warnings
 from types import ModuleType
 
+from eplb_graph.upstream import patches
+from eplb_graph.upstream.adaptations import PLUGIN, adaptation
+
 from .import_hooks import call_after_import
 
-WNA16_MODULE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16"
-WNA16_METHOD = "CompressedTensorsWNA16MoEMethod"
+ADAPTATION = "quant.wna16_supports_eplb"
+WNA16_MODULE = adaptation(ADAPTATION).module
 EPLB_BACKENDS = ("CPU",)  # WNA16MoEBackend values whose layers have a view (Triton: upstream's own)
-_MARK = "__eplb_graph_supports_eplb__"
 
 
 def _serve_wna16(module: ModuleType) -> None:
-    method = getattr(module, WNA16_METHOD, None)
-    upstream = getattr(method, "supports_eplb", None)
-    if not isinstance(upstream, property):  # an upstream refactor: say so, and leave upstream's answer
-        warnings.warn(f"eplb-graph expects {WNA16_MODULE}.{WNA16_METHOD}.supports_eplb to be a property; int4 "
-                      f"MoE checkpoints are not served with EPLB", RuntimeWarning, stacklevel=2)
+    """Called once vLLM imported ``module`` (in ``sys.modules`` by then), EPLB on or off."""
+    if patches.installed(ADAPTATION):
         return
-    if getattr(upstream.fget, _MARK, False):
+    try:
+        upstream = patches.current(ADAPTATION)  # the property, read off the class (its shape checked)
+    except patches.AdaptationError as error:  # an upstream refactor: say so, and leave upstream's answer
+        warnings.warn(f"{error}; int4 MoE checkpoints are not served with EPLB", RuntimeWarning, stacklevel=2)
         return
 
     def supports_eplb(self) -> bool:
         return upstream.fget(self) or self.wna16_backend.value in EPLB_BACKENDS
 
-    setattr(supports_eplb, _MARK, True)
-    method.supports_eplb = property(supports_eplb)
+    patches.install(ADAPTATION, property(supports_eplb), by=PLUGIN)
 
 
 def install_quant_method_hooks() -> None:

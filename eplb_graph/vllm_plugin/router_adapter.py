@@ -11,28 +11,27 @@ from __future__ import annotations
 
 import torch
 
-HOOK = "_apply_eplb_mapping"
+from eplb_graph.upstream import patches
+from eplb_graph.upstream.adaptations import adaptation
+
+ADAPTATION = "router.apply_eplb_mapping"
+HOOK = adaptation(ADAPTATION).attribute
 
 
 def bind_router(router: object, layer_key: str) -> None:
-    if not hasattr(type(router), HOOK):
-        raise RuntimeError(
-            f"{type(router).__name__} has no {HOOK}(); upstream vLLM changed its router EPLB hook and the "
-            f"eplb-graph router adapter must be updated"
-        )
-    if HOOK in vars(router):
+    if patches.installed(ADAPTATION, on=router):
         raise RuntimeError(f"the router of {layer_key} is already bound to an EPLB mapping")
     map_and_record_layer = torch.ops.eplb_graph.map_and_record_layer
 
     def apply_eplb_mapping(topk_ids: torch.Tensor) -> torch.Tensor:
         return map_and_record_layer(topk_ids, layer_key)  # [T, K] logical -> [T, K] physical
 
-    setattr(router, HOOK, apply_eplb_mapping)
+    patches.install(ADAPTATION, apply_eplb_mapping, by=layer_key, on=router)
 
 
 def unbind_router(router: object) -> None:
-    vars(router).pop(HOOK, None)
+    patches.uninstall(ADAPTATION, on=router)
 
 
 def is_bound(router: object) -> bool:
-    return HOOK in vars(router)
+    return patches.installed(ADAPTATION, on=router)

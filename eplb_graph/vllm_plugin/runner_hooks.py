@@ -5,26 +5,24 @@ classes live in heavy modules (the GPU runner module alone takes seconds to impo
 frontend process never needs, and the plugin loads in every vLLM process: importing them at
 plugin load would slow every engine start, EPLB on or off. So the plugin wraps
 ``load_model`` of each runner class when vLLM itself imports the class's module (or at once,
-if it is already imported: ``import_hooks``).
+if it is already imported: ``import_hooks``). Only with EPLB on does the config gate import them
+in the frontend, to check their adaptations before any worker starts.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from types import ModuleType
+import warnings
 
-from .ascend import ASCEND_RUNNERS
+from eplb_graph.upstream import patches
+from eplb_graph.upstream.adaptations import ADAPTATIONS, PLUGIN
+
 from .import_hooks import call_after_import
 
-# (module, class) of every runner whose load_model is wrapped. The CPU runner overrides
-# load_model without calling the GPU runner's, so each class is wrapped on its own.
-RUNNERS = (
-    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
-    *ASCEND_RUNNERS,
-)
-_RUNNER_MARK = "__eplb_graph_runner__"
+# (module, class, adaptation) of every runner whose load_model is wrapped (``runner.*`` in
+# adaptations.py). The CPU runner overrides load_model without calling the GPU runner's, so each
+# class is wrapped on its own.
+RUNNERS = tuple((a.module, a.qualname.split(".")[0], a.key) for a in ADAPTATIONS if a.key.startswith("runner."))
 
 
 def attach_after_load(runner) -> None:
@@ -42,11 +40,17 @@ def attach_after_load(runner) -> None:
     runner.eplb_graph = VllmEplbWorker(runner)
 
 
-def wrap_load_model(runner_class: type) -> None:
+def wrap_load_model(key: str) -> None:
     """``load_model`` followed by ``attach_after_load``; once per class. An inherited
-    ``load_model`` is wrapped too (vllm-ascend's V2 runner inherits vLLM's MRv2 one)."""
-    upstream_load = getattr(runner_class, "load_model", None)
-    if upstream_load is None or getattr(upstream_load, _RUNNER_MARK, False):
+    ``load_model`` is wrapped too (vllm-ascend's V2 runner inherits vLLM's MRv2 one). Runs while
+    vLLM imports the runner's module, EPLB on or off: a runner upstream changed is left as it is,
+    with a warning (never failing vLLM's import); the config gate refuses EPLB on it by name."""
+    if patches.installed(key):
+        return
+    try:
+        upstream_load = patches.current(key)
+    except patches.AdaptationError as error:
+        warnings.warn(f"eplb-graph cannot bind EPLB after this runner's load: {error}", RuntimeWarning, stacklevel=2)
         return
 
     @functools.wraps(upstream_load)
@@ -55,20 +59,10 @@ def wrap_load_model(runner_class: type) -> None:
         attach_after_load(self)
         return result
 
-    setattr(load_model, _RUNNER_MARK, True)
-    runner_class.load_model = load_model
-
-
-def _wrap_class_of(class_name: str) -> Callable[[ModuleType], None]:
-    def wrap(module: ModuleType) -> None:
-        runner_class = getattr(module, class_name, None)
-        if isinstance(runner_class, type):
-            wrap_load_model(runner_class)
-
-    return wrap
+    patches.install(key, load_model, by=PLUGIN)
 
 
 def install_runner_hooks() -> None:
     """Wraps the runners already imported and every runner module imported from now on. Idempotent."""
-    for module_name, class_name in RUNNERS:
-        call_after_import(module_name, f"eplb-graph runner {class_name}", _wrap_class_of(class_name))
+    for module_name, class_name, key in RUNNERS:
+        call_after_import(module_name, f"eplb-graph runner {class_name}", lambda module, key=key: wrap_load_model(key))

@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from eplb_graph.upstream import patches
 from eplb_graph.upstream.binding import UpstreamBinding
 from eplb_graph.upstream.watchdog import stall_bound_from_env
 
@@ -65,8 +66,8 @@ def use_gloo_staged_communicator(eplb_state) -> None:
 
     from eplb_graph.mover import GlooStagedCommunicator
 
-    for model_state in eplb_state.model_states.values():
-        model_state.communicator = GlooStagedCommunicator(get_eplb_group().cpu_group)
+    for model_state in eplb_state.model_states.values():  # the model's, and a drafter's
+        patches.configure("worker.gloo_communicator", GlooStagedCommunicator(get_eplb_group().cpu_group), on=model_state)
 
 
 def mapping_mechanism(moe_runner: torch.nn.Module, compilation_config, traced_path: str | None) -> str:
@@ -99,8 +100,8 @@ class VllmEplbWorker:
             moe_model = get_mixture_of_experts_model(runner.model)
             if moe_model is None:
                 raise ValueError(f"enable_eplb=True but {type(runner.model).__name__} has no EPLB-capable MoE layers")
-            runner.eplb_state = EplbState(parallel_config, runner.device)
-            runner._moe_model = moe_model
+            patches.install("worker.cpu_eplb_state", EplbState(parallel_config, runner.device), by=self, on=runner)
+            patches.install("worker.cpu_moe_model", moe_model, by=self, on=runner)
             runner.eplb_state.add_model(moe_model, runner.model_config)
         if torch.device(runner.device).type == "cpu" and parallel_config.eplb_config.communicator == "torch_gloo":
             use_gloo_staged_communicator(runner.eplb_state)
@@ -181,7 +182,7 @@ class VllmEplbWorker:
             if self.stats.rearrangements_finished > self.rearrangements_logged:
                 self.log_rearrangement()
 
-        runner.eplb_step = eplb_step
+        patches.install("worker.eplb_step", eplb_step, by=self, on=runner)
         if upstream_warm_up is not None:
             def warming_up_model(*args, **kwargs):
                 result = upstream_warm_up(*args, **kwargs)
@@ -190,7 +191,7 @@ class VllmEplbWorker:
                     self.compile_watch.start(after="the end of warm-up")
                 return result
 
-            runner.warming_up_model = warming_up_model
+            patches.install("worker.warming_up_model", warming_up_model, by=self, on=runner)
 
     def log_rearrangement(self) -> None:
         """One line per rearrangement fully committed on this worker: what it moved, so far."""
@@ -265,6 +266,15 @@ def vllm_logger() -> logging.Logger:
     return init_logger("vllm.eplb_graph")  # under "vllm.": vLLM's handler and format
 
 
+def adaptations_line() -> str:
+    """What the registry says is in force in this process (``eplb-graph doctor`` checks the same)."""
+    from eplb_graph.upstream.adaptations import CHECKED_AGAINST
+
+    keys = patches.installed_keys()
+    checked = ", ".join(f"{name} {version}" for name, version in CHECKED_AGAINST)
+    return f"upstream adaptations in force: {len(keys)} ({', '.join(keys) or 'none'}; checked against {checked})"
+
+
 def log_active(worker: VllmEplbWorker) -> str:
     """One line in vLLM's log per worker: eplb-graph took effect, how each layer is mapped, what records load."""
     eplb = worker.runner.parallel_config.eplb_config
@@ -285,5 +295,6 @@ def log_active(worker: VllmEplbWorker) -> str:
     if worker.dp_dispatch is not None:
         line += (f"; DP tokens dispatched over {worker.dp_dispatch.slot.max_size} ranks by "
                  f"eplb_graph::ep_all_gatherv / ep_reduce_scatterv")
+    line += f"; {adaptations_line()}"
     vllm_logger().info(line)
     return line

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from eplb_graph.runtime.step_probes import GilProbe, PhaseClock, StepProbes, monotonic_ns, thread_cpu_clock
+from eplb_graph.upstream import patches
 
 
 def spin(seconds: float) -> None:
@@ -85,11 +86,15 @@ def test_the_gil_probe_refuses_a_non_positive_interval():
 
 
 def test_step_probes_split_the_eplb_host_work_into_ours_and_upstreams(monkeypatch):
+    """Upstream's functions are stand-ins with its signatures; the capability adapter's two
+    layers the probes wrap are installed under them as the adapter would (by another installer)."""
     from vllm.distributed.eplb import eplb_state
 
     worker = Worker(busy=False)
     adapter = SimpleNamespace(commit_hook=lambda model_state, layer: spin(0.002))  # ours: commit + refresh
-    monkeypatch.setattr(eplb_state, "compute_logical_maps", lambda *args: spin(0.001))  # ours: the inversion
+
+    def inversion(physical_to_logical_map, num_logical_experts):  # ours: the inversion
+        spin(0.001)
 
     def move_to_workspace(model_state, ep_rank):  # upstream's: install, commit (which inverts), our hook, ack
         eplb_state.move_from_buffer()
@@ -100,10 +105,15 @@ def test_step_probes_split_the_eplb_host_work_into_ours_and_upstreams(monkeypatc
         eplb_state.compute_logical_maps(None, 0)
         adapter.commit_hook(model_state, layer)
 
+    def install(expert_weights=None, expert_weights_buffers=None, transfer_metadata=None, new_indices=None,
+                ep_rank=None):
+        spin(0.002)
+
     monkeypatch.setattr(eplb_state, "_move_to_workspace", move_to_workspace)
-    install = lambda: spin(0.002)  # noqa: E731
     monkeypatch.setattr(eplb_state, "move_from_buffer", install)
-    monkeypatch.setattr(eplb_state, "_commit_eplb_maps_for_layer", commit_layer)
+    as_the_adapter = object()
+    patches.install("capability.logical_maps", inversion, by=as_the_adapter)
+    patches.install("capability.commit_layer", commit_layer, by=as_the_adapter)
 
     class State:
         async_worker = worker.thread
@@ -112,10 +122,10 @@ def test_step_probes_split_the_eplb_host_work_into_ours_and_upstreams(monkeypatc
             spin(0.001)
             return True
 
-        def rearrange(self):
+        def rearrange(self, is_profile=False):
             spin(0.001)
 
-        def step(self):
+        def step(self, is_dummy=False, is_profile=False, log_stats=False):
             if self._all_ranks_result_ready(None):
                 eplb_state._move_to_workspace(model_state=None, ep_rank=0)
             self.rearrange()
@@ -123,22 +133,31 @@ def test_step_probes_split_the_eplb_host_work_into_ours_and_upstreams(monkeypatc
     state = State()
     controller = SimpleNamespace(state=state, binding=SimpleNamespace(adapter=adapter))
     original_hook = adapter.commit_hook
-    probes = StepProbes(controller)
     try:
-        probes.begin_step()
-        start = time.perf_counter()
-        spin(0.001)  # the controller's own work before upstream's step
-        state.step()
-        host = time.perf_counter() - start
-        record = probes.end_step(7, seconds=host + 0.005, eplb_host_s=host)
-        probes.begin_step()
-        other = threading.Thread(target=state.step)  # the worker's calls are not the step's
-        other.start()
-        other.join()
-        quiet = probes.end_step(8, seconds=0.001, eplb_host_s=0.0)
+        probes = StepProbes(controller)
+        try:
+            probes.begin_step()
+            start = time.perf_counter()
+            spin(0.001)  # the controller's own work before upstream's step
+            state.step()
+            host = time.perf_counter() - start
+            record = probes.end_step(7, seconds=host + 0.005, eplb_host_s=host)
+            probes.begin_step()
+            other = threading.Thread(target=state.step)  # the worker's calls are not the step's
+            other.start()
+            other.join()
+            quiet = probes.end_step(8, seconds=0.001, eplb_host_s=0.0)
+        finally:
+            probes.close()
+            worker.close()
+        # closed: every wrapper taken out, the adapter's layers left as they were
+        assert not {"step", "_all_ranks_result_ready", "rearrange"} & set(vars(state))
+        assert adapter.commit_hook is original_hook and eplb_state._move_to_workspace is move_to_workspace
+        assert eplb_state.move_from_buffer is install and eplb_state._commit_eplb_maps_for_layer is commit_layer
+        assert eplb_state.compute_logical_maps is inversion
     finally:
-        probes.close()
-        worker.close()
+        patches.uninstall("capability.commit_layer")
+        patches.uninstall("capability.logical_maps")
     assert record["step"] == 7 and 0 < record["ready_ns"] < record["ready_sync_entry_ns"]
     assert quiet["ready_sync_entry_ns"] is None  # no ready all-reduce on the main thread in that step
     assert record["eplb_ours_ms"] + record["eplb_upstream_ms"] == pytest.approx(host * 1e3)
@@ -149,10 +168,35 @@ def test_step_probes_split_the_eplb_host_work_into_ours_and_upstreams(monkeypatc
     assert record["worker_cpu_ms"] >= 0 and record["gil_samples"] >= 0
     assert record["gil_wait_worker_bound_ms"] < 0.05  # the sleeping worker can have held none of it
     assert quiet["eplb_upstream_ms"] == 0 and quiet["upstream_ready_sync_ms"] == 0
-    # closed: every wrapper taken out
-    assert not {"step", "_all_ranks_result_ready", "rearrange"} & set(vars(state))
-    assert adapter.commit_hook is original_hook and eplb_state._move_to_workspace is move_to_workspace
-    assert eplb_state.move_from_buffer is install and eplb_state._commit_eplb_maps_for_layer is commit_layer
+
+
+def test_step_probes_go_over_the_capability_adapter_only():
+    """Declared, not discovered: without the adapter's inversion under it, nothing is installed."""
+    from vllm.distributed.eplb import eplb_state
+
+    worker = Worker(busy=False)
+
+    class State:
+        async_worker = worker.thread
+
+        def _all_ranks_result_ready(self, model_state):
+            return True
+
+        def rearrange(self, is_profile=False):
+            return None
+
+        def step(self, is_dummy=False, is_profile=False, log_stats=False):
+            return None
+
+    state, upstream_inversion = State(), eplb_state.compute_logical_maps
+    controller = SimpleNamespace(state=state, binding=SimpleNamespace(adapter=SimpleNamespace(commit_hook=None)))
+    try:
+        with pytest.raises(patches.AdaptationError, match="carries upstream where probes.logical_maps expects "
+                                                          "capability.logical_maps"):
+            StepProbes(controller)
+    finally:
+        worker.close()
+    assert not set(vars(state)) and eplb_state.compute_logical_maps is upstream_inversion  # nothing half-applied
 
 
 def test_step_probes_need_a_running_async_worker():

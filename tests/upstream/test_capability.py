@@ -86,12 +86,23 @@ def test_a_device_with_events_keeps_upstreams_events():
         adapter.uninstall()
 
 
-def test_a_name_upstream_no_longer_defines_fails_loudly(monkeypatch):
+def test_a_name_upstream_no_longer_defines_fails_loudly_and_nothing_stays_installed(monkeypatch):
     monkeypatch.delattr(eplb_state, "compute_logical_maps")
+    upstream_event = eplb_state.CpuGpuEvent
     adapter = UpstreamCapabilityAdapter("cpu", commit_hook=lambda state, layer: None)
-    with pytest.raises(RuntimeError, match="no longer defines .*eplb_state.compute_logical_maps"):
+    with pytest.raises(RuntimeError, match="eplb_state.compute_logical_maps: target missing"):
         adapter.install()
-    adapter.uninstall()
+    assert adapter.installed == [] and eplb_state.CpuGpuEvent is upstream_event  # all or nothing
+
+
+def test_a_second_adapter_cannot_chain_onto_the_first():
+    first = UpstreamCapabilityAdapter("cpu", commit_hook=lambda state, layer: None).install()
+    try:
+        with pytest.raises(RuntimeError, match="already carries capability.state_event"):
+            UpstreamCapabilityAdapter("cpu", commit_hook=lambda state, layer: None).install()
+        assert eplb_state.CpuGpuEvent is HostEvent
+    finally:
+        first.uninstall()
 
 
 def test_worker_health_names_where_the_worker_died():

@@ -24,6 +24,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from eplb_graph.upstream import patches  # noqa: E402
 from eplb_graph.vllm_plugin import install_runner_hooks  # noqa: E402
 from eplb_graph.vllm_plugin.ascend import ASCEND_RUNNERS  # noqa: E402
 from tests.vllm_plugin import ascend_names  # noqa: E402
@@ -77,20 +78,42 @@ def test_a_runner_module_imported_later_gets_the_eplb_attach_step(stand_in_vllm_
     runner.load_model()
     assert model_runner_v1.loaded == ["upstream"]  # EPLB off: upstream's load and nothing else
     assert getattr(runner, "eplb_graph", None) is None
-    assert getattr(model_runner_v1.NPUModelRunner.load_model, "__eplb_graph_runner__", False)
+    assert patches.installed("runner.ascend_v1_load_model")
+    assert model_runner_v1.NPUModelRunner.load_model.__wrapped__.__qualname__ == "NPUModelRunner.load_model"
 
 
 def test_the_mrv2_runner_inherits_load_model_and_is_refused_with_eplb_on(stand_in_vllm_ascend):
     install_runner_hooks()
     from vllm_ascend.worker.v2 import model_runner
 
-    assert getattr(model_runner.NPUModelRunner.load_model, "__eplb_graph_runner__", False)  # the inherited one, wrapped
+    assert patches.installed("runner.ascend_v2_load_model")  # the inherited one, wrapped on the subclass
+    assert "load_model" in vars(model_runner.NPUModelRunner)
     runner = model_runner.NPUModelRunner()
     runner.load_model()  # EPLB off: upstream's load only
     assert model_runner.loaded == ["upstream"]
     runner.parallel_config = type(runner.parallel_config)(enable_eplb=True)
     with pytest.raises(RuntimeError, match="does not support Model Runner V2 yet"):
         runner.load_model()
+
+
+def test_a_runner_upstream_renamed_warns_and_never_fails_vllms_import(tmp_path, monkeypatch):
+    """EPLB off too the module imports as upstream's; with EPLB on the config gate refuses it by name."""
+    module = ascend_names.RUNNERS[0][0]
+    for i in range(1, module.count(".") + 1):
+        package = tmp_path.joinpath(*module.split(".")[:i])
+        package.mkdir(exist_ok=True)
+        (package / "__init__.py").touch()
+    tmp_path.joinpath(*module.split(".")).with_suffix(".py").write_text("class RenamedRunner:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    install_runner_hooks()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"cannot bind EPLB after this runner's load: "
+                                                r"vllm_ascend.worker.model_runner_v1.NPUModelRunner.load_model: target missing"):
+            importlib.import_module(module)
+        assert not patches.installed("runner.ascend_v1_load_model")
+    finally:
+        for name in [n for n in sys.modules if n == "vllm_ascend" or n.startswith("vllm_ascend.")]:
+            del sys.modules[name]
 
 
 def test_our_runner_names_are_the_ones_at_the_checked_commit():
@@ -116,7 +139,8 @@ def test_loading_the_plugin_imports_no_runner_module():
         "from vllm.engine.arg_utils import EngineArgs\n"
         "from vllm.plugins import load_general_plugins\n"
         "load_general_plugins()\n"
-        "assert getattr(EngineArgs.create_engine_config, '__eplb_graph_gate__', False), 'plugin not loaded'\n"
+        "from eplb_graph.upstream import patches\n"
+        "assert patches.installed('gate.create_engine_config'), 'plugin not loaded'\n"
         "print(sorted(m for m in sys.modules if m.startswith(('vllm.v1.worker.', 'vllm_ascend')) and 'runner' in m))\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,

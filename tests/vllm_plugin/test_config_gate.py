@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 from vllm.compilation.passes.inductor_pass import CallableInductorPass  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 
+from eplb_graph.upstream import patches  # noqa: E402
 from eplb_graph.vllm_plugin.config_gate import EplbConfigError  # noqa: E402
 from eplb_graph.vllm_plugin.graph_pass import VllmEplbPass  # noqa: E402
 from eplb_graph.models.tiny_checkpoint import write_tiny_qwen3_moe  # noqa: E402
@@ -44,7 +45,7 @@ def eplb_args(model_dir: str, **overrides) -> EngineArgs:
 
 def test_plugin_is_loaded_by_vllm_and_wraps_engine_config_creation(model_dir):
     engine_args(model_dir)  # __post_init__ loads general plugins
-    assert getattr(EngineArgs.create_engine_config, "__eplb_graph_gate__", False)
+    assert patches.installed("gate.create_engine_config")
 
 
 def test_eplb_off_changes_nothing(model_dir):
@@ -164,6 +165,22 @@ def test_a_stall_bound_that_is_not_one_is_refused_at_engine_start_naming_the_var
         eplb_args(model_dir).create_engine_config()
 
 
+def test_an_adaptation_upstream_broke_is_refused_at_engine_start_by_name(model_dir, monkeypatch):
+    """Before any worker starts, naming each target, as ``eplb-graph doctor`` does; EPLB off serves."""
+    from vllm.distributed.eplb import eplb_state
+
+    monkeypatch.delattr(eplb_state, "_commit_eplb_maps_for_layer")
+    monkeypatch.setattr(eplb_state.EplbState, "_should_record_current_step", lambda self: False)
+    with pytest.raises(EplbConfigError) as refused:
+        eplb_args(model_dir).create_engine_config()
+    message = str(refused.value)
+    assert message.startswith("eplb-graph cannot serve EPLB on this vLLM: upstream changed what it adapts")
+    assert "vllm.distributed.eplb.eplb_state._commit_eplb_maps_for_layer: target missing; eplb-graph adapts it" in message
+    assert "EplbState._should_record_current_step: signature changed (expected parameters (self, log_stats" in message
+    assert message.count("\n  ") == 2  # those two (the step probes' layer is not the plugin's)
+    assert not engine_args(model_dir).create_engine_config().parallel_config.enable_eplb
+
+
 @pytest.mark.launches
 def test_without_the_plugin_vllm_refuses_eplb_on_cpu(model_dir):
     """What the plugin lifts is real: the same request fails in upstream vLLM alone."""
@@ -172,7 +189,8 @@ def test_without_the_plugin_vllm_refuses_eplb_on_cpu(model_dir):
         "from vllm.engine.arg_utils import EngineArgs\n"
         f"args = EngineArgs(model={model_dir!r}, skip_tokenizer_init=True, load_format='dummy', dtype='float32',"
         f" max_model_len=128, enable_expert_parallel=True, enable_eplb=True, eplb_config={EPLB!r})\n"
-        "assert not getattr(EngineArgs.create_engine_config, '__eplb_graph_gate__', False)\n"
+        "from eplb_graph.upstream import patches\n"
+        "assert not patches.installed('gate.create_engine_config')\n"
         "try:\n    args.create_engine_config()\nexcept Exception as error:\n    print('REFUSED', error)\n"
         "else:\n    print('ACCEPTED')\n"
     )

@@ -18,10 +18,17 @@ from eplb_graph.vllm_plugin.dp_dispatch import DpDispatchError, VariableSizeColl
 
 
 class CpuCommunicator:
-    """vLLM's CPU communicator by name: a device group, neither variable-size collective."""
+    """vLLM's CPU communicator by name: a device group, and the variable-size collectives it
+    inherits from vLLM's base communicator, which raise."""
 
     def __init__(self) -> None:
         self.device_group = None
+
+    def all_gatherv(self, input_, dim: int = 0, sizes=None):
+        raise NotImplementedError
+
+    def reduce_scatterv(self, input_, dim: int = -1, sizes=None):
+        raise NotImplementedError
 
 
 class CudaCommunicator(CpuCommunicator):
@@ -100,7 +107,8 @@ def test_unbinding_restores_the_communicator_and_frees_the_name():
     assert {"all_gatherv", "reduce_scatterv"} <= set(vars(communicator))
     collectives.unbind()
     assert "all_gatherv" not in vars(communicator) and "reduce_scatterv" not in vars(communicator)
-    assert not hasattr(communicator, "all_gatherv")  # the class's own (here: none) is what is left
+    with pytest.raises(NotImplementedError):  # the class's own is what is left
+        communicator.all_gatherv(torch.zeros(1))
     with pytest.raises(KeyError, match="no live EP group named 'vllm:dp-unbind'"):
         EP_GROUPS.resolve("vllm:dp-unbind")
     VariableSizeCollectives(group, "vllm:dp-unbind").unbind()  # and it can be bound again

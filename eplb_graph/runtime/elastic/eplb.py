@@ -36,6 +36,7 @@ from eplb_graph.runtime.controller import EplbController
 from eplb_graph.runtime.elastic.group import ElasticEpGroup
 from eplb_graph.runtime.elastic.stack import ElasticModels
 from eplb_graph.runtime.report import balancedness
+from eplb_graph.upstream import patches
 
 
 class GenerationCoordinator:
@@ -78,7 +79,6 @@ def elastic_eplb_session(cfg: RunConfig, name: str, max_ranks: int) -> Iterator[
     """For a member process's life: upstream's EPLB config current (the run's window and interval)
     and its group getters on the elastic group ``name``."""
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import parallel_state
 
     from eplb_graph.runtime.groups import eplb_vllm_config, inductor_compile_threads_kept
 
@@ -88,19 +88,18 @@ def elastic_eplb_session(cfg: RunConfig, name: str, max_ranks: int) -> Iterator[
     with inductor_compile_threads_kept():
         config = eplb_vllm_config(max_ranks, num_redundant_experts=cfg.num_physical - cfg.num_experts,
                                   window_size=cfg.window_size, step_interval=cfg.step_interval)
-    patched = ("_EP", "_EPLB", "_NODE_COUNT")  # this is the one place vLLM's private group globals are set
-    missing = [name for name in patched if not hasattr(parallel_state, name)]
-    if missing:  # an upstream refactor must fail here, loudly, not bypass the elastic groups
-        raise RuntimeError(f"vllm.distributed.parallel_state has no {', '.join(missing)}: the elastic EPLB session "
-                           f"cannot bind upstream's EPLB to the elastic groups")
-    saved = parallel_state._EP, parallel_state._EPLB, parallel_state._NODE_COUNT
-    parallel_state._EP, parallel_state._EPLB = GenerationCoordinator(name, "ep"), GenerationCoordinator(name, "eplb")
-    parallel_state._NODE_COUNT = 1  # the policy's hierarchy: one node, as the resizes' reshuffle assumes
+    # upstream's group getters on this generation's elastic groups (adaptations.py: elastic.*)
+    session = object()
+    values = {"elastic.ep_group": GenerationCoordinator(name, "ep"), "elastic.eplb_group": GenerationCoordinator(name, "eplb"),
+              "elastic.node_count": 1}  # the policy's hierarchy: one node, as the resizes' reshuffle assumes
     try:
+        for key, value in values.items():
+            patches.install(key, value, by=session)
         with set_current_vllm_config(config):
             yield
     finally:
-        parallel_state._EP, parallel_state._EPLB, parallel_state._NODE_COUNT = saved
+        for key in reversed(values):
+            patches.uninstall(key)
 
 
 def placement_balancedness(load: torch.Tensor, placement: torch.Tensor, ranks: int) -> float:

@@ -1,0 +1,257 @@
+"""Every change eplb-graph makes to upstream vLLM and torch at run time, declared in one table.
+
+The plugin and the runtime adapt upstream in a few narrow places: a module function swapped for
+one with the same contract, an upstream callable wrapped, a hook set on one instance, a module
+global set for a scope, a configuration value upstream would not choose. Each is an
+``Adaptation`` here: its target (``module`` + ``qualname``), why it exists, when it applies, the
+shape it expects of the target, and the adaptation it is layered on (a wrapper of a wrapper is
+declared, never discovered). ``patches.py`` installs them (nothing else in the tree sets an
+upstream attribute), ``eplb-graph doctor`` checks them against the installed stack, and the
+config gate refuses at engine start, by name, an EPLB request whose adaptations do not hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The stack every entry was last checked against (``eplb-graph doctor`` names a difference).
+CHECKED_AGAINST = (("vllm", "0.32.0"), ("torch", "2.13.0"))
+
+# How an adaptation changes its target:
+HOW = {
+    "replace": "the attribute is ours, with upstream's contract",
+    "wrap": "upstream's callable runs inside ours",
+    "hook": "set on one instance (shadowing its class's attribute, or replacing what upstream's constructor set "
+            "there): the class and other instances keep upstream's",
+    "global": "a module global set for a scope, restored after",
+    "config": "a value (a configuration or state field, or an item of one) set on one upstream object where "
+              "upstream would not set it; not taken back",
+    "read": "nothing changed: our code relies on it as it is",
+}
+ALL_PLATFORMS = ("cpu", "cuda", "npu")
+HOST = ("cpu",)
+PLUGIN, RUNTIME, ELASTIC, PROBES = "vllm plugin", "reference runtime", "elastic runtime", "step breakdown"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the target must be: ``callable`` (taking ``params`` first, by name), ``class``,
+    ``property``, ``attribute`` (exists), ``field`` (a dataclass field), or ``instance`` (an
+    attribute the class's own code sets on its instances); ``item``: the key a ``config`` sets in
+    the (dict) field."""
+
+    kind: str
+    params: tuple[str, ...] = ()
+    item: str | None = None
+
+
+@dataclass(frozen=True)
+class When:
+    """Where an adaptation applies: the components that install it, on which platforms, whether
+    only with EPLB on, and a further condition in words; ``requires``: an optional distribution
+    without which it does not apply (vllm-ascend)."""
+
+    component: tuple[str, ...]
+    platforms: tuple[str, ...] = ALL_PLATFORMS
+    eplb_only: bool = True
+    condition: str = ""
+    requires: str | None = None
+
+
+@dataclass(frozen=True)
+class Adaptation:
+    key: str
+    module: str
+    qualname: str
+    how: str
+    why: str
+    when: When
+    shape: Shape
+    wraps: str | None = None  # the adaptation this one is installed over, on the same target
+
+    @property
+    def target(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+    @property
+    def attribute(self) -> str:
+        return self.qualname.rsplit(".", 1)[-1]
+
+
+def _fn(*params: str) -> Shape:
+    return Shape("callable", params)
+
+
+EPLB_STATE = "vllm.distributed.eplb.eplb_state"
+ASYNC_WORKER = "vllm.distributed.eplb.async_worker"
+REBALANCE = "vllm.distributed.eplb.rebalance_execute"
+COMMUNICATOR = "vllm.distributed.eplb.eplb_communicator"
+CPU_RUNNER = "vllm.v1.worker.cpu_model_runner"
+GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
+CPU_MOE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
+WNA16 = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+         "compressed_tensors_moe_wna16")
+CPU_COMMUNICATOR = "vllm.distributed.device_communicators.cpu_communicator"
+PARALLEL_STATE = "vllm.distributed.parallel_state"
+
+_plugin, _plugin_cpu = When((PLUGIN,)), When((PLUGIN,), HOST)
+_EVERY_IMPORT = "in every vLLM process that imports it; with EPLB off it defers to upstream"
+_any_eplb = When((PLUGIN,), eplb_only=False, condition=_EVERY_IMPORT)
+_any_cpu = When((PLUGIN,), HOST, eplb_only=False, condition=_EVERY_IMPORT)
+_capability = When((PLUGIN, RUNTIME, ELASTIC))
+_capability_host = When((PLUGIN, RUNTIME, ELASTIC), HOST)
+_runtime = When((RUNTIME, ELASTIC), HOST)
+_probes = When((PROBES,), HOST, condition="eplb-graph bench --step-breakdown")
+_elastic = When((ELASTIC,), HOST, condition="each elastic member's EPLB session")
+
+ADAPTATIONS: tuple[Adaptation, ...] = (
+    # -- the vLLM plugin's entry points (vllm_plugin/config_gate.py, runner_hooks.py, quant_methods.py)
+    Adaptation("gate.create_engine_config", "vllm.engine.arg_utils", "EngineArgs.create_engine_config", "wrap",
+               "refuses what eplb-graph cannot serve before any process starts, lifts the CPU refusal, installs the pass",
+               _any_eplb, _fn("self", "usage_context")),
+    Adaptation("gate.post_grad_pass", "vllm.config.compilation", "CompilationConfig.inductor_compile_config", "config",
+               "puts VllmEplbPass in Inductor's post-grad slot, wrapping a user pass found there", _plugin,
+               Shape("field", item="post_grad_custom_post_pass")),
+    Adaptation("config.cpu_enable_eplb", "vllm.config.parallel", "ParallelConfig.enable_eplb", "config",
+               "sets EPLB on a config built with it off: ParallelConfig refuses it on CPU",
+               When((PLUGIN, RUNTIME, ELASTIC), HOST), Shape("field")),
+    Adaptation("config.cpu_eplb_config", "vllm.config.parallel", "ParallelConfig.eplb_config", "config",
+               "sets the requested EPLB config (gloo communicator) on a config built with EPLB off",
+               When((PLUGIN, RUNTIME, ELASTIC), HOST), Shape("field")),
+    Adaptation("runner.cpu_load_model", CPU_RUNNER, "CPUModelRunner.load_model", "wrap",
+               "binds every MoE layer right after the runner loads its model", _any_cpu, _fn("self")),
+    Adaptation("runner.gpu_load_model", GPU_RUNNER, "GPUModelRunner.load_model", "wrap",
+               "binds every MoE layer right after the runner loads its model (the CPU runner's module imports it)",
+               _any_eplb, _fn("self")),
+    Adaptation("runner.ascend_v1_load_model", "vllm_ascend.worker.model_runner_v1", "NPUModelRunner.load_model",
+               "wrap", "binds every MoE layer right after the runner loads its model",
+               When((PLUGIN,), ("npu",), eplb_only=False, requires="vllm_ascend"), _fn("self")),
+    Adaptation("runner.ascend_v2_load_model", "vllm_ascend.worker.v2.model_runner", "NPUModelRunner.load_model",
+               "wrap", "refuses Model Runner V2 with EPLB on, by name, after load",
+               When((PLUGIN,), ("npu",), eplb_only=False, requires="vllm_ascend"), _fn("self")),
+    Adaptation("quant.wna16_supports_eplb", WNA16, "CompressedTensorsWNA16MoEMethod.supports_eplb", "wrap",
+               "int4 (WNA16) MoE layers on vLLM's CPU backend are served: their expert view is proven at bind",
+               When((PLUGIN,), eplb_only=False, condition=f"{_EVERY_IMPORT}; the answer changes for its CPU backend only"),
+               Shape("property")),
+    # -- the capability adapter (upstream/capability.py): upstream's async EPLB on host devices
+    Adaptation("capability.state_event", EPLB_STATE, "CpuGpuEvent", "replace",
+               "the staging handshake without device events (HostEvent)", _capability_host, Shape("class")),
+    Adaptation("capability.state_timing_event", EPLB_STATE, "torch", "replace",
+               "rearrange() times itself with torch.Event, which the CPU platform lacks", _capability_host,
+               Shape("attribute")),
+    Adaptation("capability.worker_event", ASYNC_WORKER, "CpuGpuEvent", "replace",
+               "the staging handshake without device events (HostEvent)", _capability_host, Shape("class")),
+    Adaptation("capability.worker_stream", ASYNC_WORKER, "device_stream", "replace",
+               "the async worker's stream switch tolerates host streams", _capability_host, _fn("stream")),
+    Adaptation("capability.execute_stream", REBALANCE, "device_stream", "replace",
+               "the transfer's stream switch tolerates host streams", _capability_host, _fn("stream")),
+    Adaptation("capability.communicator_stream", COMMUNICATOR, "device_stream", "replace",
+               "the communicator's stream switch tolerates host streams", _capability_host, _fn("stream")),
+    Adaptation("capability.start_async_worker", EPLB_STATE, "start_async_worker", "replace",
+               "starts upstream's worker loop on any device and surfaces its death instead of a log line",
+               _capability, _fn("state", "is_profile")),
+    Adaptation("capability.commit_layer", EPLB_STATE, "_commit_eplb_maps_for_layer", "wrap",
+               "refreshes our lookups after upstream commits a layer, before it acks the staging buffer "
+               "(invariants 3, 6)", _capability, _fn("model_state", "new_physical_to_logical_map", "layer")),
+    Adaptation("capability.commit_all", EPLB_STATE, "_commit_eplb_maps", "wrap",
+               "refreshes our lookups after a synchronous commit of every layer", _capability,
+               _fn("model_state", "new_physical_to_logical_map")),
+    Adaptation("capability.checked_policy", ASYNC_WORKER, "run_rebalance_experts", "wrap",
+               "a policy placement our tables cannot hold is replaced by the current one before any byte moves",
+               _capability, _fn("model_state", "eplb_state", "physical_to_logical_map_cpu", "stream")),
+    Adaptation("capability.logical_maps", EPLB_STATE, "compute_logical_maps", "replace",
+               "the placement inversion at every commit, vectorized (bench_commit.py)", _capability,
+               _fn("physical_to_logical_map", "num_logical_experts")),
+    Adaptation("capability.transfer_peers", REBALANCE, "get_ep_ranks_with_experts_batch", "replace",
+               "the worker's transfer planning without a per-expert loop (bench_transfer_planning.py)", _capability,
+               _fn("expert_ids", "num_local_experts", "old_indices", "new_indices")),
+    Adaptation("capability.record_flag", EPLB_STATE, "EplbState._should_record_current_step", "read",
+               "the controller decides a batch's record flag on the host with upstream's rule", _capability,
+               _fn("self", "log_stats")),
+    # -- one vLLM worker's instances (vllm_plugin/worker.py and the mappings it binds)
+    Adaptation("worker.cpu_eplb_state", GPU_RUNNER, "GPUModelRunner.eplb_state", "hook",
+               "the CPU runner builds no EplbState: the worker builds it as the GPU runner does", _plugin_cpu,
+               Shape("instance")),
+    Adaptation("worker.cpu_moe_model", GPU_RUNNER, "GPUModelRunner._moe_model", "hook",
+               "the MoE model the GPU runner's eplb_step reads, kept beside the EplbState the worker builds",
+               _plugin_cpu, Shape("instance")),
+    Adaptation("worker.gloo_communicator", EPLB_STATE, "EplbModelState.communicator", "config",
+               "moves experts through GlooStagedCommunicator, which needs no profile-time all_gather (gloo has "
+               "none for float8)", When((PLUGIN,), HOST, condition="communicator torch_gloo"), Shape("field")),
+    Adaptation("worker.eplb_step", GPU_RUNNER, "GPUModelRunner.eplb_step", "hook",
+               "after each EPLB step: the async worker's health, the compile watch, the stall watchdog", _plugin,
+               _fn("self", "is_dummy", "is_profile")),
+    Adaptation("worker.warming_up_model", CPU_RUNNER, "CPUModelRunner.warming_up_model", "hook",
+               "checks each layer's mapping once warm-up ran the compiled graph, then starts the compile watch",
+               _plugin_cpu, _fn("self")),
+    Adaptation("router.apply_eplb_mapping", "vllm.model_executor.layers.fused_moe.router.base_router",
+               "BaseRouter._apply_eplb_mapping", "hook",
+               "maps layers whose top-k no graph of ours sees (eager, opaque moe_forward) through our op",
+               When((PLUGIN,), condition="layers mapped by the router adapter"), _fn("self", "topk_ids")),
+    *(Adaptation(f"local_experts.{name}", CPU_MOE, f"{cls}.apply", "hook",
+                 "under expert parallel on CPU, this rank's experts compute only the (token, k) pairs routed to it",
+                 When((PLUGIN,), HOST, condition="expert parallel over TP or DP workers"),
+                 _fn("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
+                     "global_num_experts", "expert_map", "a1q_scale", "a2_scale", "workspace13", "workspace2",
+                     "expert_tokens_meta", "apply_router_weight_on_input"))
+      for name, cls in (("unquantized", "CPUUnquantizedExperts"), ("fp8", "CPUExpertsFp8"),
+                        ("int4", "CPUExpertsInt4"))),
+    *(Adaptation(f"dp_dispatch.{name}", CPU_COMMUNICATOR, f"CpuCommunicator.{name}", "hook",
+                 "vLLM's DP token dispatch on CPU calls it and the CPU communicator leaves it unimplemented",
+                 When((PLUGIN,), HOST, condition="data parallel > 1"), _fn("self", "input_", "dim", "sizes"))
+      for name in ("all_gatherv", "reduce_scatterv")),
+    # -- the reference runtime (runtime/controller.py, runtime/groups.py)
+    Adaptation("runtime.policy_process", EPLB_STATE, "EplbState.policy", "hook",
+               "upstream's policy run in a helper process: the worker thread's GIL stays free",
+               When((RUNTIME,), HOST, condition="--policy-process"), Shape("instance")),
+    Adaptation("runtime.load_buffer", EPLB_STATE, "EplbModelState.expert_load_pass_buffer", "config",
+               "upstream records into the elastic member's load buffer, sized for the most ranks", _runtime,
+               Shape("field")),
+    Adaptation("runtime.load_pass", EPLB_STATE, "EplbModelState.expert_load_pass", "config",
+               "upstream's view of that buffer, the current size's slots", _runtime, Shape("field")),
+    Adaptation("runtime.compile_threads", "torch._inductor.config", "compile_threads", "config",
+               "decided again after vLLM's import sets TORCHINDUCTOR_COMPILE_THREADS=1 for its own engines",
+               When((RUNTIME, ELASTIC), HOST, eplb_only=False), Shape("attribute")),
+    # -- the elastic runtime's session (runtime/elastic/eplb.py)
+    Adaptation("elastic.ep_group", PARALLEL_STATE, "_EP", "global",
+               "upstream's EP group getter answers with the current generation's elastic group", _elastic,
+               Shape("attribute")),
+    Adaptation("elastic.eplb_group", PARALLEL_STATE, "_EPLB", "global",
+               "upstream's EPLB group getter answers with the current generation's elastic group", _elastic,
+               Shape("attribute")),
+    Adaptation("elastic.node_count", PARALLEL_STATE, "_NODE_COUNT", "global",
+               "the policy's hierarchy: one node, as the resizes' reshuffle assumes", _elastic, Shape("attribute")),
+    # -- the step breakdown's probes (runtime/step_probes.py), over the capability adapter
+    *(Adaptation(f"probes.state_{name}", EPLB_STATE, f"EplbState.{method}", "hook",
+                 "times upstream's EPLB step phases on the serving thread", _probes, _fn(*params))
+      for name, method, params in (("step", "step", ("self", "is_dummy")),
+                                   ("ready_sync", "_all_ranks_result_ready", ("self", "model_state")),
+                                   ("rearrange", "rearrange", ("self", "is_profile")))),
+    Adaptation("probes.logical_maps", EPLB_STATE, "compute_logical_maps", "wrap",
+               "times our placement inversion", _probes, _fn("physical_to_logical_map", "num_logical_experts"),
+               wraps="capability.logical_maps"),
+    Adaptation("probes.commit_layer", EPLB_STATE, "_commit_eplb_maps_for_layer", "wrap",
+               "times upstream's map commit with our hook inside it", _probes,
+               _fn("model_state", "new_physical_to_logical_map", "layer"), wraps="capability.commit_layer"),
+    Adaptation("probes.move_to_workspace", EPLB_STATE, "_move_to_workspace", "wrap",
+               "tells our staging ack from upstream's install", _probes, _fn("model_state", "ep_rank")),
+    Adaptation("probes.move_from_buffer", EPLB_STATE, "move_from_buffer", "wrap",
+               "times upstream's weight install", _probes,
+               _fn("expert_weights", "expert_weights_buffers", "transfer_metadata", "new_indices", "ep_rank")),
+)
+
+BY_KEY = {adaptation.key: adaptation for adaptation in ADAPTATIONS}
+
+
+def adaptation(key: str) -> Adaptation:
+    """The declared adaptation ``key``; a key not declared here is a programming error, named."""
+    try:
+        return BY_KEY[key]
+    except KeyError:
+        raise KeyError(f"no adaptation {key!r} is declared in eplb_graph/upstream/adaptations.py") from None
+
+
+def applicable(platform: str, component: str, *, eplb_on: bool = True) -> list[Adaptation]:
+    """The adaptations ``component`` installs on ``platform`` (EPLB on or off)."""
+    return [a for a in ADAPTATIONS if platform in a.when.platforms and component in a.when.component
+            and (eplb_on or not a.when.eplb_only)]
