@@ -51,9 +51,9 @@ def _triton_kernels():
     return triton_routing, "triton"
 
 
-def _register(lib: torch.library.Library) -> tuple[str, str]:
+def _register(lib: torch.library.Library) -> tuple[str, str, str]:
     """Defines and implements the ops; returns which kernel serves them on CPU ("native" or
-    "composite"), and which on CUDA."""
+    "composite"), why not the native one (or ""), and which kernel serves them on CUDA."""
     lib.define(routing.MAP_TO_PHYSICAL_SCHEMA)
     lib.define(routing.RECORD_LOAD_SCHEMA)
     lib.define(routing.MAP_AND_RECORD_SCHEMA)
@@ -71,7 +71,7 @@ def _register(lib: torch.library.Library) -> tuple[str, str]:
         cuda["map_to_physical"] = routing.checked_map_to_physical(triton_routing.map_to_physical_cuda)
         cuda["map_and_record"] = routing.checked_map_and_record(triton_routing.map_and_record_cuda)
 
-    native = native_routing.load_native_kernel()  # registers its own CPU kernels on load
+    native, native_why = native_routing.load_native_kernel()  # registers its own CPU kernels on load
     for name in composite:
         if native is None:
             lib.impl(name, composite[name], "CPU")
@@ -85,9 +85,9 @@ def _register(lib: torch.library.Library) -> tuple[str, str]:
     ep_collectives.register(lib, NAMESPACE)
     local_experts.register(lib)
     if native is None:
-        return "composite", cuda_kernel_name
+        return "composite", native_why, cuda_kernel_name
     LAYER_TABLES.attach_native(native)
-    return "native", cuda_kernel_name
+    return "native", "", cuda_kernel_name
 
 
 def _already_registered() -> bool:
@@ -99,13 +99,14 @@ def _already_registered() -> bool:
 # The Library object owns the registrations: they live exactly as long as it does, so it
 # is held for the life of the process, like every torch.library fragment.
 _LIBRARY: torch.library.Library | None = None
-# "native" (C++) or "composite": what a CPU call of the ops runs.
+# "native" (C++) or "composite": what a CPU call of the ops runs; and why not the native one.
 CPU_LAYER_KERNEL = "registered by another copy of this module"
+CPU_KERNEL_WHY = ""
 # "triton", or "composite (why)": what a CUDA call of the ops runs.
 CUDA_KERNEL = "registered by another copy of this module"
 if not _already_registered():
     _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
-    CPU_LAYER_KERNEL, CUDA_KERNEL = _register(_LIBRARY)
+    CPU_LAYER_KERNEL, CPU_KERNEL_WHY, CUDA_KERNEL = _register(_LIBRARY)
 
 map_to_physical = torch.ops.eplb_graph.map_to_physical
 record_load = torch.ops.eplb_graph.record_load

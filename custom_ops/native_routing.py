@@ -77,11 +77,12 @@ def _build(directory: Path) -> None:
     )  # also loads it
 
 
-def load_native_kernel() -> NativeLayerIndex | None:
+def load_native_kernel() -> tuple[NativeLayerIndex | None, str]:
     """Loads (building first if needed) the C++ kernels, which register themselves as the CPU
-    kernels of all four routing ops. None where they are switched off or cannot be had."""
+    kernels of all four routing ops: (their index, ""), or (None, why) where they are switched off
+    or cannot be had."""
     if os.environ.get(SWITCH, "1") == "0":
-        return None
+        return None, f"{SWITCH}=0"
     directory = build_directory()
     library = directory / f"{LIBRARY_NAME}.so"
     try:
@@ -91,12 +92,8 @@ def load_native_kernel() -> NativeLayerIndex | None:
             _build(directory)
     except Exception as error:  # no compiler, no ninja, a read-only cache: the composite serves
         last_line = (str(error).strip().splitlines() or [""])[-1]  # a build error's summary line
-        warnings.warn(
-            f"eplb_graph: the C++ routing kernels could not be built or loaded ({type(error).__name__}: "
-            f"{last_line}); the torch composite serves the routing ops on CPU. "
-            f"Set {SWITCH}=0 to choose it without trying.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
-    return NativeLayerIndex()
+        why = f"the C++ routing kernels could not be built or loaded ({type(error).__name__}: {last_line})"
+        warnings.warn(f"eplb_graph: {why}; the torch composite serves the routing ops on CPU. Set {SWITCH}=0 to "
+                      f"choose it without trying.", RuntimeWarning, stacklevel=2)
+        return None, why
+    return NativeLayerIndex(), ""

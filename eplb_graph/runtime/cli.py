@@ -203,6 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "op at identity placement (no control plane, no rearrangement); checks that the op's "
                             "outputs equal off's and that it recorded every token")
     bench.set_defaults(func=_bench)
+
+    doctor = commands.add_parser("doctor", help="before serving: whether eplb-graph's upstream adaptations hold on "
+                                                "this stack, which kernels exist, what EPLB can serve here")
+    output = doctor.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="the machine-readable report")
+    output.add_argument("--markdown", action="store_true",
+                        help="the adaptations as the table in docs/architecture.md, nothing checked")
+    doctor.set_defaults(func=lambda args: __import__("eplb_graph.doctor", fromlist=["doctor_command"]).doctor_command(args))
     return parser
 
 
