@@ -169,7 +169,8 @@ class DoctorReport:
         lines.append(f"upstream adaptations ({sum(r['status'] == patches.OK for r in self.adaptations)} of "
                      f"{len(self.adaptations)} ok):")
         for row in self.adaptations:
-            mark = "BROKEN" if row["broken"] else row["status"] if row["applies"] else f"{row['status']}, not for {self.platform}"
+            mark = f"BROKEN, {row['status']}" if row["broken"] else row["status"] if row["applies"] else \
+                f"not for {self.platform}"
             detail = f" ({row['detail']})" if row["detail"] and row["status"] != patches.OK else ""
             lines.append(f"  {row['key']:<34} {row['how']:<8} {row['target']}: {mark}{detail}")
         lines.append("kernels: " + "; ".join(f"{name}: {value}" for name, value in self.kernels.items()))
