@@ -168,6 +168,24 @@ def logical_maps(
     return torch.from_numpy(np.ascontiguousarray(grouped)), torch.from_numpy(replica_count)
 
 
+def rank_loads(load: torch.Tensor, placement: torch.Tensor, ranks: int) -> torch.Tensor:
+    """[L, ranks]: the load [L, num_logical] a placement [L, ranks x num_local] puts on each rank,
+    each expert's load split evenly over its replicas (an empty slot, -1, holds none)."""
+    hosted = placement >= 0
+    experts = placement.clamp_min(0).long()
+    replicas = torch.stack([torch.bincount(row[ok], minlength=load.shape[1]) for row, ok in zip(experts, hosted)])
+    per_slot = torch.gather(load.double(), 1, experts) / torch.gather(replicas, 1, experts).clamp_min(1)  # [L, P]
+    return (per_slot * hosted).reshape(placement.shape[0], ranks, -1).sum(-1)
+
+
+def layer_balancedness(per_rank: torch.Tensor) -> torch.Tensor:
+    """[...]: mean / max over ranks (the last dim) of a per-rank load, 1 when balanced; 0 where
+    nothing was loaded."""
+    per_rank = per_rank.double()
+    most = per_rank.max(-1).values
+    return torch.where(most > 0, per_rank.mean(-1) / most.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+
+
 def build_lookup(
     placement: torch.Tensor, num_logical_experts: int, max_replicas: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

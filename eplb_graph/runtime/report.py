@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
+from eplb_graph.placement import layer_balancedness
+
 
 def balancedness(per_rank: torch.Tensor) -> float:
     """mean / max of the load over ranks (the last dim), averaged over any leading dims (layers)."""
-    per_rank = per_rank.double()
-    return float((per_rank.mean(-1) / per_rank.max(-1).values.clamp_min(1)).mean())
+    return float(layer_balancedness(per_rank).mean())
 
 
 def windowed_balancedness(per_rank_steps: torch.Tensor, window: int) -> list[float]:

@@ -90,3 +90,14 @@ def test_empty_slots_are_refused_unless_allowed_and_never_count_as_replicas():
     assert torch.equal(validate_placement(placement, 3, 6, 3, allow_empty=True), placement)
     with pytest.raises(ValueError, match=r"logical experts \[2\] have no replica"):
         validate_placement(torch.tensor([0, 1, -1, -1]), 3, 4, 3, allow_empty=True)
+
+
+def test_rank_loads_split_each_experts_load_over_its_replicas_and_skip_empty_slots():
+    from eplb_graph.placement import layer_balancedness, rank_loads
+
+    load = torch.tensor([[3.0, 1.0, 0.0]])  # [L, num_logical]
+    per_rank = rank_loads(load, torch.tensor([[0, 1, 0, -1]]), ranks=2)  # expert 0 on both ranks
+    assert per_rank.tolist() == [[2.5, 1.5]]
+    assert layer_balancedness(per_rank).tolist() == pytest.approx([2.0 / 2.5])
+    # a fractional load is a load (no clamp to one token); nothing loaded is 0, not NaN
+    assert layer_balancedness(torch.tensor([[0.25, 0.5], [0.0, 0.0]])).tolist() == pytest.approx([0.75, 0.0])

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from eplb_graph.custom_ops import EP_GROUPS
+from eplb_graph.placement import rank_loads
 from eplb_graph.runtime.config import RunConfig
 from eplb_graph.runtime.controller import EplbController
 from eplb_graph.runtime.elastic.group import ElasticEpGroup
@@ -105,12 +106,7 @@ def elastic_eplb_session(cfg: RunConfig, name: str, max_ranks: int) -> Iterator[
 def placement_balancedness(load: torch.Tensor, placement: torch.Tensor, ranks: int) -> float:
     """mean / max over ranks of the load [L, num_logical] a placement [L, ranks x num_local]
     puts on each rank, each expert's load split evenly over its replicas; averaged over layers."""
-    hosted = placement >= 0
-    experts = placement.clamp_min(0)
-    replicas = torch.stack([torch.bincount(row[ok], minlength=load.shape[1]) for row, ok in zip(experts, hosted)])
-    per_slot = torch.gather(load.double(), 1, experts) / torch.gather(replicas, 1, experts).clamp_min(1)  # [L, P]
-    per_rank = (per_slot * hosted).reshape(placement.shape[0], ranks, -1).sum(-1)  # [L, ranks]
-    return balancedness(per_rank)
+    return balancedness(rank_loads(load, placement, ranks))
 
 
 class ElasticEplb:
