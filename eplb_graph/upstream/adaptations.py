@@ -133,6 +133,9 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
                "int4 (WNA16) MoE layers on vLLM's CPU backend are served: their expert view is proven at bind",
                When((PLUGIN,), eplb_only=False, condition=f"{_EVERY_IMPORT}; the answer changes for its CPU backend only"),
                Shape("property")),
+    Adaptation("metrics.registry", "vllm.entrypoints.serve.instrumentator.metrics", "get_prometheus_registry", "wrap",
+               "adds the workers' EPLB metrics to the registry vLLM's /metrics serves",
+               When((PLUGIN,), condition="vLLM's OpenAI server"), _fn()),
     # -- the capability adapter (upstream/capability.py): upstream's async EPLB on host devices
     Adaptation("capability.state_event", EPLB_STATE, "CpuGpuEvent", "replace",
                "the staging handshake without device events (HostEvent)", _capability_host, Shape("class")),

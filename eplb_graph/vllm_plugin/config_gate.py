@@ -164,6 +164,11 @@ def create_engine_config_with_eplb(upstream_create, engine_args, *args, **kwargs
     if problem:
         raise EplbConfigError("eplb-graph cannot serve this EPLB request:\n  " + problem)
     install_pass(config.compilation_config)
+    usage_context = kwargs.get("usage_context", args[0] if args else None)
+    if getattr(usage_context, "name", None) == "OPENAI_API_SERVER":  # its /metrics serves the workers' EPLB
+        from .metrics_export import export_to_server
+
+        export_to_server()
     return config
 
 

@@ -19,8 +19,8 @@ forward, ``eplb_step`` after). This object only connects the boundaries:
 
 from __future__ import annotations
 
-import logging
 import os
+import time
 
 import torch
 
@@ -33,7 +33,10 @@ from .compile_watch import CompileWatch
 from .dp_dispatch import bind_dp_dispatch
 from .expert_views import ExpertWeightView, complete_move_list
 from .layers import GRAPH_PASS, ROUTER_ADAPTER, VllmMoELayer
-from .local_experts import LocalPairExperts, pair_experts_class
+from .active_line import log_active, vllm_logger
+from .local_experts import LocalPairExperts
+from .metrics import WorkerMetrics
+from .metrics_export import METRICS_DIR
 
 
 class EplbMappingError(RuntimeError):
@@ -147,6 +150,9 @@ class VllmEplbWorker:
         if watched:
             self.compile_watch = CompileWatch(lambda: sum(layer.graph_mappings for layer in watched), vllm_logger())
         self.rearrangements_logged = 0
+        self.metrics = WorkerMetrics(
+            {"model_name": str(runner.model_config.served_model_name), "engine": str(parallel_config.data_parallel_rank),
+             "ep_rank": str(self.ep_rank)}, ep_size=self.ep_size, publish_dir=os.environ.get(METRICS_DIR))
         self._wrap_runner_steps()
         if self.built_upstream_state and runner.eplb_state.is_async:
             runner.eplb_state.start_async_loop()
@@ -170,17 +176,22 @@ class VllmEplbWorker:
         upstream_warm_up = getattr(runner, "warming_up_model", None)
 
         def eplb_step(*args, **kwargs):
+            start = time.perf_counter()
             upstream_step(*args, **kwargs)
-            self.check_worker()
-            if self.compile_watch is not None:
-                is_dummy = kwargs.get("is_dummy", args[0] if args else False)  # eplb_step(is_dummy, is_profile)
-                if not is_dummy:
-                    self.compile_watch.start(after="the first real step")  # where no warm-up hook started it
-                self.compile_watch.check()
+            step_seconds = time.perf_counter() - start
             in_flight = any(state.rebalanced for state in runner.eplb_state.model_states.values())
-            self.binding.after_step(in_flight=in_flight, where=f"of vLLM runner on {runner.device}")
-            if self.stats.rearrangements_finished > self.rearrangements_logged:
-                self.log_rearrangement()
+            try:
+                self.check_worker()
+                if self.compile_watch is not None:
+                    is_dummy = kwargs.get("is_dummy", args[0] if args else False)  # eplb_step(is_dummy, is_profile)
+                    if not is_dummy:
+                        self.compile_watch.start(after="the first real step")  # where no warm-up hook started it
+                    self.compile_watch.check()
+                self.binding.after_step(in_flight=in_flight, where=f"of vLLM runner on {runner.device}")
+                if self.stats.rearrangements_finished > self.rearrangements_logged:
+                    self.log_rearrangement()
+            finally:  # a dead worker or a stall raised here is published first
+                self.publish_metrics(step_seconds, in_flight)
 
         patches.install("worker.eplb_step", eplb_step, by=self, on=runner)
         if upstream_warm_up is not None:
@@ -192,6 +203,15 @@ class VllmEplbWorker:
                 return result
 
             patches.install("worker.warming_up_model", warming_up_model, by=self, on=runner)
+
+    def publish_metrics(self, step_seconds: float, in_flight: bool) -> None:
+        """This step's EPLB metrics, from what upstream's step left on the host (``metrics.py``)."""
+        self.metrics.after_step(
+            step_seconds=step_seconds, in_flight=in_flight, layers_committed=self.stats.layers_committed,
+            finished=self.stats.rearrangements_finished, stalls=self.binding.rearrangement_stalls,
+            bytes_moved=self.bytes_moved(), worker_alive=self.binding.worker_error is None,
+            graphs_compiled=self.compile_watch and self.compile_watch.since_start(),
+            model_state=next(iter(self.runner.eplb_state.model_states.values())))
 
     def log_rearrangement(self) -> None:
         """One line per rearrangement fully committed on this worker: what it moved, so far."""
@@ -258,43 +278,3 @@ class VllmEplbWorker:
         """Per layer, a digest of each local slot's expert storage (all it moves), for checking
         that every slot holds the expert its committed placement names. Reads every expert byte."""
         return {name: view.slot_digests() for name, view in self.expert_views.items()}
-
-
-def vllm_logger() -> logging.Logger:
-    from vllm.logger import init_logger
-
-    return init_logger("vllm.eplb_graph")  # under "vllm.": vLLM's handler and format
-
-
-def adaptations_line() -> str:
-    """What the registry says is in force in this process (``eplb-graph doctor`` checks the same)."""
-    from eplb_graph.upstream.adaptations import CHECKED_AGAINST
-
-    keys = patches.installed_keys()
-    checked = ", ".join(f"{name} {version}" for name, version in CHECKED_AGAINST)
-    return f"upstream adaptations in force: {len(keys)} ({', '.join(keys) or 'none'}; checked against {checked})"
-
-
-def log_active(worker: VllmEplbWorker) -> str:
-    """One line in vLLM's log per worker: eplb-graph took effect, how each layer is mapped, what records load."""
-    eplb = worker.runner.parallel_config.eplb_config
-    mechanisms = ", ".join(f"{layer.key}: {layer.mapped_by}" for layer in worker.layers)
-    moved = {", ".join([*view.moved, *view.derived]) for view in worker.expert_views.values()}
-    movers = {type(state.communicator).__name__ for state in worker.runner.eplb_state.model_states.values()}
-    line = (
-        f"eplb-graph active on {worker.runner.device}: {len(worker.layers)} MoE layers bound ({mechanisms}); "
-        f"load phase: every batch of the last {eplb.window_size} steps before each rearrangement, every "
-        f"{eplb.step_interval} steps (upstream's window); {eplb.num_redundant_experts} redundant experts, "
-        f"{'async' if eplb.use_async else 'sync'} EPLB through {', '.join(sorted(movers))}; each expert moves with "
-        f"{' | '.join(sorted(moved))}"
-    )
-    if worker.local_experts:
-        classes = sorted({pair_experts_class(experts.experts) for experts in worker.local_experts.values()})
-        line += (f"; expert parallel rank {worker.ep_rank} of {worker.ep_size}: each layer's {', '.join(classes)} "
-                 f"compute this rank's (token, k) pairs only (eplb_graph::local_expert_pairs)")
-    if worker.dp_dispatch is not None:
-        line += (f"; DP tokens dispatched over {worker.dp_dispatch.slot.max_size} ranks by "
-                 f"eplb_graph::ep_all_gatherv / ep_reduce_scatterv")
-    line += f"; {adaptations_line()}"
-    vllm_logger().info(line)
-    return line

@@ -69,6 +69,8 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from eplb_graph.vllm_plugin.metrics import worker_metrics
+
     from eplb_graph.models import tiny_checkpoint
 
     quantized = args.weights != "float32"
@@ -120,6 +122,7 @@ def main() -> int:
         "workers": [{"before": b["eplb"], "after": a["eplb"]} for b, a in zip(before, after)],
         "pass_installed": type(llm.llm_engine.vllm_config.compilation_config.inductor_compile_config.get(
             "post_grad_custom_post_pass")).__name__,
+        "metrics": worker_metrics(llm),  # the documented accessor of an offline LLM's EPLB metrics
     }
     print("ENGINE_RUN_RESULT " + json.dumps(result), flush=True)
     return 0

@@ -122,6 +122,24 @@ def test_zero_recompiles_after_warm_up(runs):
     assert runs["compiled_on"]["eplb"]["graphs_compiled_while_serving"] == 0
 
 
+@pytest.mark.parametrize("name", ["compiled_on", "tp2_compiled_on"])
+def test_an_offline_llm_reads_each_workers_eplb_metrics(runs, name):
+    """``metrics.worker_metrics(llm)``: the values the server's /metrics serves, equal to what each worker counted."""
+    run = runs[name]
+    metrics = {snapshot["labels"]["ep_rank"]: snapshot for snapshot in run["metrics"]}
+    workers = {str(worker["after"]["ep_rank"]): worker["after"] for worker in run["workers"]}
+    assert sorted(metrics) == sorted(workers) and len(workers) == (2 if name.startswith("tp2") else 1)
+    for rank, worker in workers.items():
+        counters = metrics[rank]["counters"]
+        assert counters["rearrangements_finished"] == worker["rearrangements_committed"] >= 1
+        assert counters["rearrangements_started"] >= counters["rearrangements_finished"]
+        assert counters["layers_committed"] == worker["layers_committed"]
+        assert counters["expert_bytes_sent"] == worker["bytes_sent"]
+        assert counters["expert_bytes_received"] == worker["bytes_received"]
+        assert counters["graphs_compiled_while_serving"] == 0 and metrics[rank]["gauges"]["async_worker_alive"] == {"": 1.0}
+    assert 0 < metrics["0"]["gauges"]["balancedness_committed"]["all"] <= 1
+
+
 def test_eager_mode_routes_through_the_router_adapter(runs):
     on, off = runs["eager_on"], runs["eager_off"]
     assert on["tokens"] == off["tokens"]

@@ -167,7 +167,9 @@ def serve_and_query(commands: dict[str, tuple[str, bool]], model_dir: Path, work
             quick = subprocess.run(["bash", "-c", curl], env=server.env, capture_output=True, text=True, timeout=300)
             assert quick.returncode == 0, quick.stderr
             longer = [completion(server, model_dir, f"w{5 + i} w{17 * i % 500 + 3} w{40 + 3 * i} w7", 48) for i in range(3)]
-            results[name] = {"quickstart": json.loads(quick.stdout), "longer": longer}
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=60) as response:
+                scraped = response.read().decode()
+            results[name] = {"quickstart": json.loads(quick.stdout), "longer": longer, "metrics": scraped}
     finally:
         for server in started.values():
             stop(server)
@@ -250,6 +252,57 @@ def active_line(line: str) -> str:
     head, in_force = line.split("; upstream adaptations in force: ")
     assert "capability.commit_layer" in in_force and "gate.create_engine_config" in in_force
     return head
+
+
+def scraped(run: dict) -> dict[str, list]:
+    """The server's /metrics, parsed as Prometheus does: family name -> samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {family.name: family.samples for family in text_string_to_metric_families(run["metrics"])}
+
+
+def by_rank(samples: list, name: str) -> dict[str, float]:
+    return {s.labels["ep_rank"]: s.value for s in samples if s.name == name}
+
+
+def test_metrics_count_what_upstream_did_and_eplb_off_registers_none(servers):
+    on, log = scraped(servers["on"]), servers["on"]["log"]
+    assert by_rank(on["eplb_graph:rearrangements_started"], "eplb_graph:rearrangements_started_total") == {
+        "0": float(log.count("Rearranging experts (async mode) ..."))}  # upstream's own line, one per rearrangement
+    # (its profile run's, "(async mode) (profile)...", moves nothing and is not counted)
+    finished = by_rank(on["eplb_graph:rearrangements_finished"], "eplb_graph:rearrangements_finished_total")["0"]
+    assert finished == len(re.findall(r"eplb-graph: rearrangement \d+ committed on EP rank 0", log)) >= 3
+    assert by_rank(on["eplb_graph:layers_committed"], "eplb_graph:layers_committed_total")["0"] >= 2 * finished
+    pauses = by_rank(on["eplb_graph:commit_pause_seconds"], "eplb_graph:commit_pause_seconds_count")["0"]
+    assert pauses >= finished and by_rank(on["eplb_graph:rearrangement_duration_seconds"],
+                                          "eplb_graph:rearrangement_duration_seconds_count")["0"] == finished
+    assert by_rank(on["eplb_graph:async_worker_alive"], "eplb_graph:async_worker_alive") == {"0": 1.0}
+    assert by_rank(on["eplb_graph:graphs_compiled_while_serving"], "eplb_graph:graphs_compiled_while_serving_total") == {
+        "0": 0.0}
+    assert {s.labels["model_name"] for s in on["eplb_graph:layers_committed"]} == {
+        s.labels["model_name"] for s in on["vllm:num_requests_running"]}  # vLLM's own label values
+    assert "vllm:num_requests_running" in scraped(servers["off"]) and "eplb_graph:" not in servers["off"]["metrics"]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_two_workers_metrics_balance_and_move_bytes_both_ways(multi_process_servers, layout):
+    families, log = scraped(multi_process_servers[layout]), multi_process_servers[layout]["log"]
+    sent = by_rank(families["eplb_graph:expert_bytes_sent"], "eplb_graph:expert_bytes_sent_total")
+    received = by_rank(families["eplb_graph:expert_bytes_received"], "eplb_graph:expert_bytes_received_total")
+    assert sorted(sent) == ["0", "1"] and sum(sent.values()) == sum(received.values()) > 0  # every byte sent arrives
+    committed = by_rank(families["eplb_graph:layers_committed"], "eplb_graph:layers_committed_total")
+    assert committed["0"] == committed["1"] > 0  # both ranks commit each layer
+    engines = {s.labels["ep_rank"]: s.labels["engine"] for s in families["eplb_graph:layers_committed"]}
+    assert engines == ({"0": "0", "1": "1"} if layout == "dp2" else {"0": "0", "1": "0"})  # vLLM's DP rank
+    window, after = ({s.labels["layer"]: s.value for s in families[f"eplb_graph:balancedness_{kind}"]}
+                     for kind in ("window", "committed"))
+    layers = TINY_QWEN3_MOE["num_hidden_layers"]
+    assert set(window) == set(after) == {*map(str, range(layers)), "all"}
+    assert all(0 < value <= 1 for value in [*window.values(), *after.values()])
+    assert after["all"] >= window["all"]  # the committed placement balances the window it was computed from
+    assert set(by_rank(families["eplb_graph:graphs_compiled_while_serving"],
+                       "eplb_graph:graphs_compiled_while_serving_total").values()) == {0.0}
+    assert "Rearranging experts (async mode)" in log
 
 
 def test_an_fp8_checkpoint_moves_its_block_scales_with_its_experts(fp8_servers):

@@ -1,4 +1,4 @@
-"""``worker.py``'s pieces that need no engine (the engine and server tests run the worker itself)."""
+"""The `eplb-graph active` line (the engine and server tests read it from real workers)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 
 
 def test_the_active_line_names_each_layer_and_mechanism():
-    from eplb_graph.vllm_plugin.worker import log_active
+    from eplb_graph.vllm_plugin.active_line import log_active
 
     eplb = SimpleNamespace(window_size=10, step_interval=30, num_redundant_experts=2, use_async=True)
     state = SimpleNamespace(communicator=SimpleNamespace())
@@ -41,7 +41,7 @@ def test_the_active_line_names_each_layer_and_mechanism():
 
 
 def test_the_active_line_names_the_expert_parallel_adaptations():
-    from eplb_graph.vllm_plugin.worker import log_active
+    from eplb_graph.vllm_plugin.active_line import log_active
 
     base = type("CPUUnquantizedExperts", (), {})
     experts = type("X86CPUUnquantizedExperts", (base,), {})()

@@ -1,0 +1,112 @@
+"""Every worker's EPLB metrics on the ``/metrics`` of vLLM's OpenAI server.
+
+vLLM serves ``/metrics`` from its API server process, while EPLB runs in the workers (the engine
+core's process, or one process per TP / DP rank). With EPLB on, the config gate of an OpenAI
+server (``usage_context`` ``OPENAI_API_SERVER``) calls ``export_to_server``: it makes a directory
+for this server, named to every engine and worker process it starts (``METRICS_DIR``, inherited
+like the rest of the environment), where each worker publishes its snapshot
+(``WorkerMetrics.publish``, an atomic rename). ``EplbCollector`` reads them at each scrape; it is
+registered into the registry vLLM's own metrics are served from, whichever that is (one API
+server or many: ``get_prometheus_registry``, wrapped as the ``metrics.registry`` adaptation).
+With EPLB off nothing is made or registered (invariant 8); an offline ``LLM`` reads the same
+values with ``metrics.worker_metrics``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from eplb_graph.upstream import patches
+from eplb_graph.upstream.adaptations import PLUGIN, adaptation
+
+from .import_hooks import call_after_import
+from .metrics import BASE_LABELS, METRICS, PREFIX
+
+METRICS_DIR = "EPLB_GRAPH_METRICS_DIR"  # set by the API server's gate; read by its workers
+REGISTRY_ADAPTATION = "metrics.registry"
+
+
+def read_snapshots(directory: Path) -> list[dict]:
+    """Every worker's last published snapshot (a file being replaced is read whole, or not at all)."""
+    snapshots = []
+    for path in sorted(directory.glob("worker-*.json")):
+        try:
+            snapshots.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):  # removed since the glob: that worker is gone
+            continue
+    return snapshots
+
+
+class EplbCollector:
+    """A Prometheus collector over the workers' snapshots in ``directory``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def describe(self) -> list:
+        return []  # values come from other processes: nothing to check at registration
+
+    def collect(self) -> Iterator:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        snapshots = read_snapshots(self.directory)
+        for metric in METRICS:
+            name = PREFIX + metric.name
+            if metric.kind == "histogram":
+                family = HistogramMetricFamily(name, metric.help, labels=BASE_LABELS)
+                for snap in snapshots:
+                    hist = snap["histograms"][metric.name]
+                    cumulative, buckets = 0, []
+                    for bound, count in zip(hist["bounds"], hist["counts"]):
+                        cumulative += count
+                        buckets.append(("+Inf" if bound == "inf" else bound, cumulative))
+                    family.add_metric([snap["labels"][k] for k in BASE_LABELS], buckets, hist["sum"])
+            elif metric.kind == "counter":
+                family = CounterMetricFamily(name, metric.help, labels=BASE_LABELS)
+                for snap in snapshots:
+                    family.add_metric([snap["labels"][k] for k in BASE_LABELS], snap["counters"][metric.name])
+            else:
+                labels = ("model_name", "layer") if metric.layered else BASE_LABELS
+                family = GaugeMetricFamily(name, metric.help, labels=labels)
+                for snap in snapshots:
+                    for layer, value in snap["gauges"][metric.name].items():
+                        values = [snap["labels"]["model_name"], layer] if metric.layered else \
+                            [snap["labels"][k] for k in BASE_LABELS]
+                        family.add_metric(values, value)
+            yield family
+
+
+def _serve_collector(collector: EplbCollector):
+    def install(module) -> None:
+        if patches.installed(REGISTRY_ADAPTATION):
+            return
+        upstream = patches.current(REGISTRY_ADAPTATION)
+
+        def get_prometheus_registry():
+            registry = upstream()
+            if collector not in getattr(registry, "_collector_to_names", {}):
+                registry.register(collector)
+            return registry
+
+        patches.install(REGISTRY_ADAPTATION, get_prometheus_registry, by=PLUGIN)
+
+    return install
+
+
+def export_to_server() -> Path:
+    """In the API server's process, before its engines start: the directory its workers publish
+    into (made here, removed at exit) and the collector on the registry ``/metrics`` serves."""
+    directory = os.environ.get(METRICS_DIR)
+    if directory is None:
+        directory = tempfile.mkdtemp(prefix="eplb_graph_metrics_")
+        os.environ[METRICS_DIR] = directory  # the engine and worker processes started from here inherit it
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    collector = EplbCollector(Path(directory))
+    call_after_import(adaptation(REGISTRY_ADAPTATION).module, "eplb-graph metrics", _serve_collector(collector))
+    return Path(directory)
