@@ -165,7 +165,8 @@ def create_engine_config_with_eplb(upstream_create, engine_args, *args, **kwargs
         raise EplbConfigError("eplb-graph cannot serve this EPLB request:\n  " + problem)
     install_pass(config.compilation_config)
     usage_context = kwargs.get("usage_context", args[0] if args else None)
-    if getattr(usage_context, "name", None) == "OPENAI_API_SERVER":  # its /metrics serves the workers' EPLB
+    headless = kwargs.get("headless", args[1] if len(args) > 1 else False)  # a node with engines and no API server
+    if getattr(usage_context, "name", None) == "OPENAI_API_SERVER" and not headless:  # its /metrics serves them
         from .metrics_export import export_to_server
 
         export_to_server()

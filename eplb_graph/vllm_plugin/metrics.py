@@ -4,9 +4,11 @@
 it). ``WorkerMetrics`` keeps one worker's values on the host and updates them after each of
 upstream's EPLB steps, from what that step already left on the host: the binding's counters,
 the movers' byte counts, the watchdog's stalls, the compile watch. Nothing runs on the routing
-hot path. Balancedness is computed twice per rearrangement, when it starts (the load window
-upstream just all-reduced, ``last_expert_load``, under the placement in force) and when its last
-layer commits (the same load under the committed placement).
+hot path. Balancedness is computed twice per rearrangement, on EP rank 0: when it starts (the load
+window upstream just all-reduced, ``last_expert_load``, under the placement in force) and when its
+last layer commits (the same load under the committed placement); both gauges are set then, so
+they always describe the same window. A snapshot that cannot be written is logged once, never
+raised into a step.
 
 The values reach vLLM's ``/metrics`` through ``metrics_export.py``; without a server they are
 read with ``worker_metrics(llm)``.
@@ -15,6 +17,7 @@ read with ``worker_metrics(llm)``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -40,8 +43,9 @@ class Metric:
 
 
 METRICS = (
-    Metric("balancedness_window", "gauge", "Mean / max per-rank load of the last closed load window, under the "
-           "placement in force while it was recorded (EP rank 0 only: the window is global)",
+    Metric("balancedness_window", "gauge", "Mean / max per-rank load of the load window the last finished "
+           "rearrangement was computed from, under the placement in force while it was recorded (EP rank 0 only: "
+           "the window is global)",
            "a hot expert making one rank the straggler", layered=True),
     Metric("balancedness_committed", "gauge", "Mean / max per-rank load of that window under the placement committed "
            "by the rearrangement it started (EP rank 0 only)", "a policy that does not relieve the straggler",
@@ -84,7 +88,9 @@ class WorkerMetrics:
                             ("commit_pause_seconds", PAUSE_BUCKETS))}
         self.gauges["async_worker_alive"][""] = 1.0
         self._started_at: float | None = None
-        self._window_load: torch.Tensor | None = None  # [L, num_logical], of the rearrangement in flight
+        self._window_load: torch.Tensor | None = None  # [L, num_logical], of the rearrangement in flight (EP rank 0)
+        self._window_balancedness: dict[str, float] = {}  # its window under the placement then in force
+        self._publish_failed = False
         self.publish()
 
     def after_step(self, *, step_seconds: float, in_flight: bool, layers_committed: int, finished: int, stalls: int,
@@ -92,18 +98,20 @@ class WorkerMetrics:
                    model_state) -> None:
         """After upstream's EPLB step (``step_seconds`` long) on the serving thread."""
         before = dict(self.counters)
-        if in_flight and self._started_at is None:  # a window closed and a rearrangement started
-            self._started_at = time.monotonic()
-            self.counters["rearrangements_started"] += 1
-            self._window_load = model_state.last_expert_load.detach().cpu()  # once per rearrangement
-            self._set_balancedness("balancedness_window", model_state.physical_to_logical_map)
         if layers_committed > self.counters["layers_committed"]:
             self.histograms["commit_pause_seconds"].observe(step_seconds)
+        # a finish first: one step can commit a rearrangement's last layer and start the next one
         if finished > self.counters["rearrangements_finished"]:
             if self._started_at is not None:
                 self.histograms["rearrangement_duration_seconds"].observe(time.monotonic() - self._started_at)
-                self._set_balancedness("balancedness_committed", model_state.physical_to_logical_map)
+                self._set_balancedness(model_state.physical_to_logical_map)
             self._started_at = None
+        if in_flight and self._started_at is None:  # a window closed and a rearrangement started
+            self._started_at = time.monotonic()
+            self.counters["rearrangements_started"] += 1
+            if self.labels["ep_rank"] == "0":  # the window is global: one rank reports it (one copy a rearrangement)
+                self._window_load = model_state.last_expert_load.detach().cpu()
+                self._window_balancedness = self._balancedness(model_state.physical_to_logical_map)
         self.counters.update(layers_committed=layers_committed, rearrangements_finished=finished, stalls=stalls,
                              expert_bytes_sent=bytes_moved[0], expert_bytes_received=bytes_moved[1],
                              graphs_compiled_while_serving=graphs_compiled or 0)
@@ -112,12 +120,18 @@ class WorkerMetrics:
             self.gauges["async_worker_alive"][""] = alive
             self.publish()
 
-    def _set_balancedness(self, name: str, placement: torch.Tensor) -> None:
-        if self.labels["ep_rank"] != "0" or self._window_load is None:
-            return
+    def _balancedness(self, placement: torch.Tensor) -> dict[str, float]:
+        """Per layer and over the model ("all"), of the rearrangement's window under ``placement``."""
         per_layer = layer_balancedness(rank_loads(self._window_load, placement.detach().cpu(), self.ep_size))  # [L]
-        self.gauges[name] = {str(layer): float(value) for layer, value in enumerate(per_layer)}
-        self.gauges[name]["all"] = float(per_layer.mean())
+        return {**{str(layer): float(value) for layer, value in enumerate(per_layer)}, "all": float(per_layer.mean())}
+
+    def _set_balancedness(self, committed: torch.Tensor) -> None:
+        """Both gauges at once, when the rearrangement finished: they describe the same window."""
+        if self._window_load is None:
+            return
+        self.gauges["balancedness_window"] = self._window_balancedness
+        self.gauges["balancedness_committed"] = self._balancedness(committed)
+        self._window_load = None
 
     def snapshot(self) -> dict:
         return {"labels": self.labels, "counters": dict(self.counters), "gauges": {k: dict(v) for k, v in self.gauges.items()},
@@ -128,8 +142,14 @@ class WorkerMetrics:
         if self.publish_to is None:
             return
         partial = self.publish_to.with_suffix(".partial")
-        partial.write_text(json.dumps(self.snapshot()))
-        os.replace(partial, self.publish_to)
+        try:
+            partial.write_text(json.dumps(self.snapshot()))
+            os.replace(partial, self.publish_to)
+        except OSError as error:  # a full disk, or the server removing its directory at exit: never fail a step
+            if not self._publish_failed:
+                self._publish_failed = True
+                logging.getLogger("vllm.eplb_graph").warning("eplb-graph: cannot publish EPLB metrics to %s: %s",
+                                                             self.publish_to, error)
 
 
 class Histogram:

@@ -30,16 +30,38 @@ from .metrics import BASE_LABELS, METRICS, PREFIX
 
 METRICS_DIR = "EPLB_GRAPH_METRICS_DIR"  # set by the API server's gate; read by its workers
 REGISTRY_ADAPTATION = "metrics.registry"
+SNAPSHOT_KEYS = ("labels", "counters", "gauges", "histograms")
+SECTION = {"counter": "counters", "gauge": "gauges", "histogram": "histograms"}
+
+
+def _writer_alive(path: Path) -> bool:
+    """Whether the worker process that wrote ``worker-<pid>[...].json`` still runs (on this host)."""
+    try:
+        os.kill(int(path.stem.split("-")[1]), 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _well_formed(snapshot: object) -> bool:
+    return (isinstance(snapshot, dict) and all(isinstance(snapshot.get(k), dict) for k in SNAPSHOT_KEYS)
+            and all(label in snapshot["labels"] for label in BASE_LABELS)
+            and all(m.name in snapshot[SECTION[m.kind]] for m in METRICS))
 
 
 def read_snapshots(directory: Path) -> list[dict]:
-    """Every worker's last published snapshot (a file being replaced is read whole, or not at all)."""
+    """Every live worker's last published snapshot (a file being replaced is read whole, or not at
+    all); a dead worker's file, or one that is not a snapshot, is skipped: one never breaks a scrape."""
     snapshots = []
     for path in sorted(directory.glob("worker-*.json")):
         try:
-            snapshots.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError):  # removed since the glob: that worker is gone
+            snapshot = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):  # removed since the glob, or not ours
             continue
+        if _writer_alive(path) and _well_formed(snapshot):
+            snapshots.append(snapshot)
     return snapshots
 
 

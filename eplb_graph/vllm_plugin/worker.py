@@ -205,7 +205,16 @@ class VllmEplbWorker:
             patches.install("worker.warming_up_model", warming_up_model, by=self, on=runner)
 
     def publish_metrics(self, step_seconds: float, in_flight: bool) -> None:
-        """This step's EPLB metrics, from what upstream's step left on the host (``metrics.py``)."""
+        """This step's EPLB metrics, from what upstream's step left on the host (``metrics.py``).
+        Called in a ``finally``: it raises nothing (a metrics fault is logged once)."""
+        try:
+            self._publish_metrics(step_seconds, in_flight)
+        except Exception:  # noqa: BLE001  (it would hide the step's own error, or fail serving)
+            if not getattr(self, "_metrics_failed", False):
+                self._metrics_failed = True
+                vllm_logger().exception("eplb-graph: EPLB metrics could not be updated; serving goes on")
+
+    def _publish_metrics(self, step_seconds: float, in_flight: bool) -> None:
         self.metrics.after_step(
             step_seconds=step_seconds, in_flight=in_flight, layers_committed=self.stats.layers_committed,
             finished=self.stats.rearrangements_finished, stalls=self.binding.rearrangement_stalls,

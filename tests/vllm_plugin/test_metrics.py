@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -33,14 +34,15 @@ def test_a_rearrangement_is_counted_timed_and_its_balancedness_taken_before_and_
     assert metrics.counters["rearrangements_started"] == 0 and metrics.gauges["balancedness_window"] == {}
     step(metrics, state, in_flight=True, committed=0, finished=0)  # the window closed: upstream started one
     assert metrics.counters["rearrangements_started"] == 1
+    step(metrics, state, in_flight=True, committed=1, finished=0, seconds=0.003, moved=(100, 40))
+    assert metrics.gauges["balancedness_window"] == {}  # both gauges come with the finish: the same window
+    state.physical_to_logical_map = torch.tensor([[0, 1, 0, 2], [0, 1, 2, 0]])  # committed: the hot one replicated
+    step(metrics, state, in_flight=False, committed=2, finished=1, seconds=0.004, moved=(200, 80))
     # layer 0: rank 0 holds 0 and 2: 6 + 1 = 7, rank 1 holds 1 twice: 1 -> 4 / 7
     # layer 1: rank 0 holds 0, 1: 4; rank 1 holds 2 twice: 2 -> 3 / 4
     window = metrics.gauges["balancedness_window"]
     assert window["0"] == pytest.approx(4 / 7) and window["1"] == pytest.approx(3 / 4)
     assert window["all"] == pytest.approx((4 / 7 + 3 / 4) / 2)
-    step(metrics, state, in_flight=True, committed=1, finished=0, seconds=0.003, moved=(100, 40))
-    state.physical_to_logical_map = torch.tensor([[0, 1, 0, 2], [0, 1, 2, 0]])  # committed: the hot one replicated
-    step(metrics, state, in_flight=False, committed=2, finished=1, seconds=0.004, moved=(200, 80))
     committed = metrics.gauges["balancedness_committed"]
     # layer 0: rank 0: 3 + 1 = 4, rank 1: 3 + 1 = 4 -> 1; layer 1: rank 0: 1 + 2, rank 1: 2 + 1 -> 1
     assert committed == {"0": pytest.approx(1.0), "1": pytest.approx(1.0), "all": pytest.approx(1.0)}
@@ -52,6 +54,34 @@ def test_a_rearrangement_is_counted_timed_and_its_balancedness_taken_before_and_
     published = json.loads((tmp_path / next(p.name for p in tmp_path.iterdir())).read_text())
     assert published == json.loads(json.dumps(metrics.snapshot()))
     assert [p.suffix for p in tmp_path.iterdir()] == [".json"]  # no partial file left
+
+
+def test_a_step_that_finishes_one_rearrangement_and_starts_the_next_counts_both():
+    """Upstream commits the last layer and, the interval reached, starts the next in one step."""
+    metrics = WorkerMetrics(LABELS, ep_size=1, publish_dir=None)
+    state = model_state([[2.0, 1.0]], [[0, 1]])
+    step(metrics, state, in_flight=True, committed=0, finished=0)
+    first_window = metrics._window_load
+    state.last_expert_load = torch.tensor([[1.0, 5.0]])  # the next window, all-reduced in the same step
+    step(metrics, state, in_flight=True, committed=1, finished=1)
+    assert metrics.counters["rearrangements_started"] == 2 and metrics.counters["rearrangements_finished"] == 1
+    assert metrics._window_load.tolist() == [[1.0, 5.0]] and first_window.tolist() == [[2.0, 1.0]]
+    step(metrics, state, in_flight=False, committed=2, finished=2)
+    assert sum(metrics.histograms["rearrangement_duration_seconds"].counts) == 2
+
+
+def test_a_snapshot_that_cannot_be_written_is_logged_once_and_never_raised(tmp_path):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append  # vLLM's loggers do not propagate to pytest's capture
+    logger = logging.getLogger("vllm.eplb_graph")
+    logger.addHandler(handler)
+    try:
+        metrics = WorkerMetrics(LABELS, ep_size=1, publish_dir=str(tmp_path / "removed"))  # the server's dir is gone
+        metrics.publish()
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage().startswith("eplb-graph: cannot publish EPLB metrics") for r in records] == [True]
 
 
 def test_only_ep_rank_0_reports_the_global_balancedness_and_a_dead_worker_is_published():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -19,7 +21,7 @@ from eplb_graph.vllm_plugin.metrics import WorkerMetrics  # noqa: E402
 
 def published(directory, ep_rank: str, pause_s: float) -> WorkerMetrics:
     metrics = WorkerMetrics({"model_name": "tiny", "engine": "0", "ep_rank": ep_rank}, ep_size=2, publish_dir=None)
-    metrics.publish_to = directory / f"worker-{ep_rank}.json"  # two workers' files from one test process
+    metrics.publish_to = directory / f"worker-{os.getpid()}-{ep_rank}.json"  # two workers' files, one live process
     metrics.counters.update(rearrangements_started=2, layers_committed=4, expert_bytes_sent=10 * int(ep_rank) + 5)
     metrics.histograms["commit_pause_seconds"].observe(pause_s)
     if ep_rank == "0":
@@ -52,9 +54,12 @@ def test_the_collector_exposes_every_workers_snapshot_with_vllms_labels(tmp_path
     assert families["eplb_graph:async_worker_alive"].samples[0].value == 1.0
 
 
-def test_a_corrupt_snapshot_is_skipped(tmp_path):
+def test_a_corrupt_a_foreign_or_a_dead_workers_snapshot_is_skipped(tmp_path):
     published(tmp_path, "0", 0.001)
-    (tmp_path / "worker-1.json").write_text("{half")
+    (tmp_path / f"worker-{os.getpid()}-1.json").write_text("{half")
+    (tmp_path / f"worker-{os.getpid()}-2.json").write_text(json.dumps({"labels": {}}))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / f"worker-{int(dead.stdout)}.json").write_text((tmp_path / f"worker-{os.getpid()}-0.json").read_text())
     assert [snap["labels"]["ep_rank"] for snap in metrics_export.read_snapshots(tmp_path)] == ["0"]
 
 
@@ -63,6 +68,7 @@ def test_the_server_registry_gets_the_collector_once(monkeypatch):
 
     monkeypatch.delenv(metrics_export.METRICS_DIR, raising=False)
     directory = metrics_export.export_to_server()
+    registry = None
     try:
         assert os.environ[metrics_export.METRICS_DIR] == str(directory) and directory.is_dir()
         assert patches.installed("metrics.registry")
@@ -70,10 +76,11 @@ def test_the_server_registry_gets_the_collector_once(monkeypatch):
         assert served.get_prometheus_registry() is registry
         ours = [c for c in registry._collector_to_names if isinstance(c, metrics_export.EplbCollector)]
         assert len(ours) == 1 and ours[0].directory == directory
-        (directory / "worker-1.json").write_text(json.dumps(published(directory, "0", 0.01).snapshot()))
+        published(directory, "0", 0.01)
         assert "eplb_graph:layers_committed_total" in generate_latest(registry).decode()
     finally:
-        for collector in [c for c in registry._collector_to_names if isinstance(c, metrics_export.EplbCollector)]:
+        for collector in [c for c in getattr(registry, "_collector_to_names", {})
+                          if isinstance(c, metrics_export.EplbCollector)]:
             registry.unregister(collector)
         patches.uninstall("metrics.registry")
         os.environ.pop(metrics_export.METRICS_DIR, None)
