@@ -15,6 +15,7 @@ values with ``metrics.worker_metrics``.
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ from eplb_graph.upstream import patches
 from eplb_graph.upstream.adaptations import PLUGIN, adaptation
 
 from .import_hooks import call_after_import
-from .metrics import BASE_LABELS, METRICS, PREFIX
+from .metrics import BASE_LABELS, METRICS, PREFIX, Metric
 
 METRICS_DIR = "EPLB_GRAPH_METRICS_DIR"  # set by the API server's gate; read by its workers
 REGISTRY_ADAPTATION = "metrics.registry"
@@ -75,50 +76,57 @@ class EplbCollector:
         return []  # values come from other processes: nothing to check at registration
 
     def collect(self) -> Iterator:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
         snapshots = read_snapshots(self.directory)
         for metric in METRICS:
-            name = PREFIX + metric.name
-            if metric.kind == "histogram":
-                family = HistogramMetricFamily(name, metric.help, labels=BASE_LABELS)
-                for snap in snapshots:
-                    hist = snap["histograms"][metric.name]
-                    cumulative, buckets = 0, []
-                    for bound, count in zip(hist["bounds"], hist["counts"]):
-                        cumulative += count
-                        buckets.append(("+Inf" if bound == "inf" else bound, cumulative))
-                    family.add_metric([snap["labels"][k] for k in BASE_LABELS], buckets, hist["sum"])
-            elif metric.kind == "counter":
-                family = CounterMetricFamily(name, metric.help, labels=BASE_LABELS)
-                for snap in snapshots:
-                    family.add_metric([snap["labels"][k] for k in BASE_LABELS], snap["counters"][metric.name])
-            else:
-                labels = ("model_name", "layer") if metric.layered else BASE_LABELS
-                family = GaugeMetricFamily(name, metric.help, labels=labels)
-                for snap in snapshots:
-                    for layer, value in snap["gauges"][metric.name].items():
-                        values = [snap["labels"]["model_name"], layer] if metric.layered else \
-                            [snap["labels"][k] for k in BASE_LABELS]
-                        family.add_metric(values, value)
-            yield family
+            yield _family(metric, snapshots)
 
-
-def _serve_collector(collector: EplbCollector):
-    def install(module) -> None:
+    def serve_on(self, module) -> None:
+        """``call_after_import`` target: wraps the registry getter of vLLM's metrics ``module`` so
+        the registry it returns carries this collector (once)."""
         if patches.installed(REGISTRY_ADAPTATION):
             return
         upstream = patches.current(REGISTRY_ADAPTATION)
 
         def get_prometheus_registry():
             registry = upstream()
-            if collector not in getattr(registry, "_collector_to_names", {}):
-                registry.register(collector)
+            if self not in getattr(registry, "_collector_to_names", {}):
+                registry.register(self)
             return registry
 
         patches.install(REGISTRY_ADAPTATION, get_prometheus_registry, by=PLUGIN)
 
-    return install
+
+def _family(metric: Metric, snapshots: list[dict]):
+    """One metric over every worker's snapshot, as a Prometheus metric family."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    name = PREFIX + metric.name
+    if metric.kind == "histogram":
+        family = HistogramMetricFamily(name, metric.help, labels=BASE_LABELS)
+        for snap in snapshots:
+            hist = snap["histograms"][metric.name]
+            cumulative = itertools.accumulate(hist["counts"])  # Prometheus buckets count every value up to them
+            buckets = [("+Inf" if bound == "inf" else bound, count) for bound, count in zip(hist["bounds"], cumulative)]
+            family.add_metric(_worker(snap), buckets, hist["sum"])
+    elif metric.kind == "counter":
+        family = CounterMetricFamily(name, metric.help, labels=BASE_LABELS)
+        for snap in snapshots:
+            family.add_metric(_worker(snap), snap["counters"][metric.name])
+    elif metric.layered:
+        family = GaugeMetricFamily(name, metric.help, labels=("model_name", "layer"))
+        for snap in snapshots:
+            for layer, value in snap["gauges"][metric.name].items():
+                family.add_metric([snap["labels"]["model_name"], layer], value)
+    else:
+        family = GaugeMetricFamily(name, metric.help, labels=BASE_LABELS)
+        for snap in snapshots:
+            for value in snap["gauges"][metric.name].values():
+                family.add_metric(_worker(snap), value)
+    return family
+
+
+def _worker(snapshot: dict) -> list[str]:
+    return [snapshot["labels"][label] for label in BASE_LABELS]
 
 
 def export_to_server() -> Path:
@@ -130,5 +138,5 @@ def export_to_server() -> Path:
         os.environ[METRICS_DIR] = directory  # the engine and worker processes started from here inherit it
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
     collector = EplbCollector(Path(directory))
-    call_after_import(adaptation(REGISTRY_ADAPTATION).module, "eplb-graph metrics", _serve_collector(collector))
+    call_after_import(adaptation(REGISTRY_ADAPTATION).module, "eplb-graph metrics", collector.serve_on)
     return Path(directory)

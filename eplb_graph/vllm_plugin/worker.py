@@ -150,6 +150,7 @@ class VllmEplbWorker:
         if watched:
             self.compile_watch = CompileWatch(lambda: sum(layer.graph_mappings for layer in watched), vllm_logger())
         self.rearrangements_logged = 0
+        self.metrics_failed = False  # logged once
         self.metrics = WorkerMetrics(
             {"model_name": str(runner.model_config.served_model_name), "engine": str(parallel_config.data_parallel_rank),
              "ep_rank": str(self.ep_rank)}, ep_size=self.ep_size, publish_dir=os.environ.get(METRICS_DIR))
@@ -210,8 +211,8 @@ class VllmEplbWorker:
         try:
             self._publish_metrics(step_seconds, in_flight)
         except Exception:  # noqa: BLE001  (it would hide the step's own error, or fail serving)
-            if not getattr(self, "_metrics_failed", False):
-                self._metrics_failed = True
+            if not self.metrics_failed:
+                self.metrics_failed = True
                 vllm_logger().exception("eplb-graph: EPLB metrics could not be updated; serving goes on")
 
     def _publish_metrics(self, step_seconds: float, in_flight: bool) -> None:
