@@ -58,6 +58,7 @@ class BindingStats:
     rearrangements_started: int = 0  # kept by the runtime's controller, which sees upstream's state between steps
     rearrangements_finished: int = 0  # commits of a model's last layer (or of all layers at once)
     layers_committed_in_flight: int = 0  # of layers_committed: those of the rearrangement not finished yet
+    placements_restored: int = 0  # placements moved to at start from a placement file (not rearrangements)
 
 
 class UpstreamBinding:
@@ -67,8 +68,9 @@ class UpstreamBinding:
         self.stats = BindingStats()
         self.watchdog = StallWatchdog(stall_bound or StallBound())  # validated before any patch goes in
         self._layers: dict[int, list[BoundLayer]] = {}  # id(upstream model) -> its layers, upstream's order
+        self._restoring = False
         self.adapter = UpstreamCapabilityAdapter(
-            torch.device(device), commit_hook=self._after_commit, placement_check=self._check_placements
+            torch.device(device), commit_hook=self._after_commit, placement_check=self.check_placements
         ).install()
 
     def bind(self, upstream_model: object, layers: list[BoundLayer]) -> None:
@@ -90,7 +92,8 @@ class UpstreamBinding:
 
     # -- upstream's hooks (the capability adapter calls them) ------------------------------
 
-    def _check_placements(self, model_state, placements: torch.Tensor) -> None:
+    def check_placements(self, model_state, placements: torch.Tensor) -> None:
+        """ValueError unless ``placements`` [L, P] fit every bound layer's tables."""
         tables = [layer.tables for layer in self.layers_of(model_state)]
         validate_layer_placements(padded_to_tables(placements, tables), tables)
 
@@ -99,14 +102,38 @@ class UpstreamBinding:
         # [L, width]: upstream's is the truth; an elastic member's tables are wider than what it places
         committed = padded_to_tables(model_state.physical_to_logical_map.cpu(), [layer.tables for layer in layers])
         for index in range(len(layers)) if layer_index is None else [layer_index]:
-            self.stats.placement_changes += layers[index].commit_placement_(committed[index])
-            self.stats.layers_committed += 1
-            self.stats.layers_committed_in_flight += 1
+            changed = layers[index].commit_placement_(committed[index])
+            if not self._restoring:  # the counts are of rearrangements
+                self.stats.placement_changes += changed
+                self.stats.layers_committed += 1
+                self.stats.layers_committed_in_flight += 1
         # counted here, not from upstream's flag between steps: one step() can finish a
         # rearrangement and start the next
-        if ends_rearrangement(model_state, layer_index):
+        if self._restoring:
+            self.stats.placements_restored += 1
+        elif ends_rearrangement(model_state, layer_index):
             self.stats.rearrangements_finished += 1
             self.stats.layers_committed_in_flight = 0
+
+    def restore(self, model_state, placements: torch.Tensor) -> None:
+        """Moves the experts to ``placements`` [L, P] and commits them, synchronously through
+        upstream's own rearrangement: its weight move (every tensor of each expert, quantization
+        scales included) and its commit of all layers, at which our lookups refresh. Every EP rank
+        calls it with the same placements, before the first forward (``kept_placement.py``)."""
+        from vllm.distributed.eplb import eplb_state, rebalance_execute
+        from vllm.distributed.parallel_state import get_ep_group
+
+        self.check_placements(model_state, placements)  # before any byte moves
+        committed = model_state.physical_to_logical_map
+        target = placements.to("cpu", committed.dtype)  # on the host, as upstream's policy output: both read it there
+        rebalance_execute.rearrange_expert_weights_inplace(
+            committed, target, model_state.model.expert_weights, model_state.expert_buffer,
+            get_ep_group().device_group, model_state.communicator)
+        self._restoring = True
+        try:  # through the module attribute: the capability adapter's commit_all wrap refreshes our lookups
+            eplb_state._commit_eplb_maps(model_state, new_physical_to_logical_map=target)
+        finally:
+            self._restoring = False
 
     # -- health ----------------------------------------------------------------------------
 

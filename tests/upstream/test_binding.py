@@ -74,9 +74,9 @@ def test_an_elastic_layer_wider_than_upstreams_placement_takes_it_with_empty_slo
         new = torch.tensor([3, 2, 1, 0, 2, 2])
         eplb_state._commit_eplb_maps_for_layer(model_state, new_physical_to_logical_map=new, layer=0)
         assert layers[0].tables.physical_to_logical.tolist() == new.tolist() + [-1] * 6
-        binding._check_placements(model_state, torch.tensor([[0, 1, 2, 3, 3, 3]]))  # checked padded: valid
+        binding.check_placements(model_state, torch.tensor([[0, 1, 2, 3, 3, 3]]))  # checked padded: valid
         with pytest.raises(ValueError, match="logical experts \\[1\\] have no replica"):
-            binding._check_placements(model_state, torch.tensor([[0, 0, 2, 3, 3, 3]]))
+            binding.check_placements(model_state, torch.tensor([[0, 0, 2, 3, 3, 3]]))
     finally:
         binding.close()
         layers[0].close()
