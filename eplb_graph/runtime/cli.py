@@ -76,8 +76,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.scale_plan is not None or args.chaos is not None:
         from eplb_graph.runtime.elastic.cli import run_elastic_command
 
+        if args.placement_file is not None:
+            raise ValueError("--placement-file keeps a fixed EP size's placement; it does not apply to --scale-plan "
+                             "or --chaos, which resize the group")
+
         return run_elastic_command(args)
-    config = run_config(args, progress=not args.json, tolerance=args.tolerance)
+    config = run_config(args, progress=not args.json, tolerance=args.tolerance, placement_file=args.placement_file)
     _check_cpp_wrapper_modes(config, (config.mode,))
     out = output_dir(args.out)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
@@ -184,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tolerance", type=float, default=None,
                      help="rtol = atol of the per-step output check, 0 = exact (default: exact in eager mode on "
                           "the host; compiled, the format's: 1e-5 unquantized, 1e-3 quantized)")
+    run.add_argument("--placement-file", default=None, metavar="PATH",
+                     help="start from the placement kept in PATH where it exists, and rewrite PATH as rearrangements "
+                          "commit (docs/placement_file.md); a file that does not fit this run is refused")
     elastic.add_scale_plan_arguments(run)
     run.set_defaults(func=_run)
 

@@ -14,6 +14,7 @@ import torch
 
 from eplb_graph.models.reference import ReferenceMoEConfig
 from eplb_graph.placement import check_expert_layout
+from eplb_graph.placement_file import PlacementIdentity, check_start_file, config_hash
 from eplb_graph.runtime.workload import WorkloadSpec
 from eplb_graph.upstream.watchdog import StallBound
 
@@ -58,6 +59,7 @@ class RunConfig:
     threads: int | None = None  # torch intra-op threads per rank; None: see rank_threads
     stall_steps: int = 1000  # a rearrangement with no layer committed for longer is a stall (watchdog)
     stall_seconds: float = 300.0
+    placement_file: str | None = None  # started from where it exists, rewritten as rearrangements commit
 
     def stall_bound(self) -> StallBound:
         return StallBound(max_steps=self.stall_steps, max_seconds=self.stall_seconds)
@@ -88,6 +90,13 @@ class RunConfig:
             num_experts=self.num_experts, top_k=self.top_k, expert_intermediate_size=self.expert_intermediate,
             shared_expert_intermediate_size=self.shared_expert_intermediate,
         )
+
+    def placement_identity(self) -> PlacementIdentity:
+        """What a placement file of this run fits (``placement_file.py``): the seeded model, the layout."""
+        shape = {name: getattr(self, name) for name in ("hidden", "expert_intermediate", "shared_expert_intermediate",
+                                                         "vocab_size", "top_k", "seed")}
+        return PlacementIdentity("ReferenceMoEModel", config_hash(shape), self.num_layers, self.num_experts,
+                                 self.num_physical, self.ranks, self.weight_format)
 
     def workload(self) -> WorkloadSpec:
         return WorkloadSpec(
@@ -137,6 +146,14 @@ class RunConfig:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 per rank, got {self.threads}")
         self.stall_bound().validate(("--stall-steps", "--stall-seconds", "on_stall"))
+        if self.placement_file is not None:
+            self.check_placement_file()
+
+    def check_placement_file(self) -> None:
+        """A placement file this run cannot write, or one it cannot start from, refused by name."""
+        if not self.eplb:
+            raise ValueError("a placement file keeps what EPLB placed: it needs EPLB on")
+        check_start_file(self.placement_file, self.placement_identity())
 
 
 def check_npu(ranks: int, backend: str) -> None:

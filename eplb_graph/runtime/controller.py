@@ -25,6 +25,7 @@ import torch
 from eplb_graph.layer_lookup import BatchFlags, LayerLookup, RoutedLayer, batch_in_load_phase, check_load_phase
 from eplb_graph.upstream import patches
 from eplb_graph.upstream.binding import BindingStats, UpstreamBinding
+from eplb_graph.upstream.kept_placement import PlacementKeeper
 from eplb_graph.upstream.watchdog import StallBound
 
 
@@ -90,6 +91,7 @@ class EplbController:
         stall_bound: StallBound | None = None,
         num_physical: int | None = None,
         load_buffer: torch.Tensor | None = None,
+        placement_keeper: PlacementKeeper | None = None,
     ) -> None:
         """Window size and step interval are upstream's: the current vLLM config's ``eplb_config``.
 
@@ -100,7 +102,10 @@ class EplbController:
 
         ``policy_process``: upstream's policy runs in a helper process (``PolicyProcess``)
         instead of on the worker thread, whose Python would otherwise hold this process's GIL
-        for the policy's whole run (seconds to start it, once)."""
+        for the policy's whole run (seconds to start it, once).
+
+        ``placement_keeper``: the experts start from its placement file where it exists (every
+        rank, before the async worker starts), and the file is rewritten as rearrangements commit."""
         check_load_phase(load_phase)
         from vllm.config import get_current_vllm_config
         from vllm.distributed.eplb.eplb_state import EplbState
@@ -129,6 +134,7 @@ class EplbController:
 
         self.binding = UpstreamBinding(device, stall_bound)  # before EplbState: it constructs events and starts the worker
         self.policy_process = None
+        self.placement_keeper = placement_keeper
         try:  # a failure below leaves no patch installed and no helper running
             self.model_key = ModelKey(model_name)
             self.model_view = UpstreamModelView(layers, num_logical, num_physical, self.ep_size, load_buffer)
@@ -146,10 +152,14 @@ class EplbController:
             self.communicator = GlooStagedCommunicator(get_eplb_group().cpu_group, timeout_s=transfer_timeout_s)
             self.state.update_communicator(self.model_key, self.communicator)
             self.model_state = next(iter(self.state.model_states.values()))
+            if placement_keeper is not None:
+                placement_keeper.restore(self.binding, self.state, get_ep_group().cpu_group)
             self.state.start_async_loop()
         except BaseException:
             if self.policy_process is not None:
                 self.policy_process.close()
+            if placement_keeper is not None:
+                placement_keeper.abandon()
             self.binding.close()
             raise
 
@@ -187,6 +197,8 @@ class EplbController:
         in_flight = int(bool(self.model_state.rebalanced))
         self.stats.rearrangements_started = max(self.stats.rearrangements_started,
                                                 self.stats.rearrangements_finished + in_flight)
+        if self.placement_keeper is not None:
+            self.placement_keeper.after_step(self.model_state, self.stats.rearrangements_finished, self.rebalancing)
 
     @property
     def rebalancing(self) -> bool:
@@ -224,6 +236,8 @@ class EplbController:
         them from under a running gloo operation."""
         self.check_worker()
         self.state.drain_async()
+        if self.placement_keeper is not None:
+            self.placement_keeper.close(self.model_state, self.stats.rearrangements_finished)
         self.release(close_layers=True)
 
     def release(self, *, close_layers: bool = False) -> None:

@@ -47,6 +47,7 @@ class RankResult:
     layers_committed: int = 0
     rearrangements_started: int = 0
     rearrangements_finished: int = 0
+    placement_restored: bool = False  # the experts started from cfg.placement_file
     rearrangement_stalls: int = 0  # rearrangements in flight past the watchdog's bound with no layer committed
     output_mismatches: int = 0
     first_mismatch_step: int | None = None
@@ -193,6 +194,7 @@ class RankRun:
             result.rearrangements_started = controller.stats.rearrangements_started
             result.rearrangements_finished = controller.stats.rearrangements_finished
             result.rearrangement_stalls = controller.binding.rearrangement_stalls
+            result.placement_restored = controller.stats.placements_restored > 0
         self.stack.close()
         return result
 

@@ -104,6 +104,8 @@ def summarize(cfg, results: list[dict]) -> dict:
         "step_p50_ms": round(statistics.median(step_ms), 3) if step_ms else None,
         "tokens_per_s": round(sum(r["tokens"] for r in results) / (sum(step_ms) / 1e3 / len(results)), 1) if step_ms else None,
         "rearrangement_finished_steps": first["rearrangement_finished_steps"],
+        "placement_file": cfg.placement_file,
+        "placement_restored": all(r["placement_restored"] for r in results),
     }
     # On one rank every load is that rank's: mean / max is 1.0 whatever EPLB does, a figure
     # that measures nothing, so it is not reported.
@@ -121,8 +123,10 @@ def summarize(cfg, results: list[dict]) -> dict:
         report["balancedness_before"] = round(statistics.mean(before), 4) if before else None
         report["balancedness_after"] = round(statistics.mean(after), 4) if after else None
         report["balancedness_window_steps"] = window
+        report["balancedness_windows"] = [round(b, 4) for b in windowed_balancedness(executed, window)]  # each window's
     else:
         report["balancedness_without_eplb"] = report["balancedness_before"] = report["balancedness_after"] = None
+        report["balancedness_windows"] = []
     return report
 
 

@@ -26,6 +26,7 @@ from eplb_graph.runtime.ep_moe import ExpertParallelMoE
 from eplb_graph.runtime.step import check_output, rank_device
 from eplb_graph.runtime.workload import Batch
 from eplb_graph.upstream.capability import EplbWorkerError
+from eplb_graph.upstream.kept_placement import PlacementKeeper
 from eplb_graph.weight_views import ExpertWeights, check_weight_view, expert_format
 
 
@@ -169,6 +170,9 @@ def build_rank_stack(cfg: RunConfig, rank: int, ep_size: int, group, **controlle
     models = build_rank_models(cfg, rank, ep_size, group)
     controller = None
     if cfg.eplb:
+        keeper = None
+        if cfg.placement_file is not None:
+            keeper = PlacementKeeper(cfg.placement_file, cfg.placement_identity(), ep_rank=rank, written_by="runtime")
         controller = EplbController(models.rank_layers, device=rank_device(cfg), policy_process=cfg.policy_process,
-                                    stall_bound=cfg.stall_bound(), **controller_options)
+                                    stall_bound=cfg.stall_bound(), placement_keeper=keeper, **controller_options)
     return RankStack(cfg, rank, ep_size, models, controller)

@@ -321,3 +321,27 @@ def stalled_worker(rank, world_size, init_method, stall_steps, release_at):
         "max_abs_diff": max(stack.max_abs_diff),
         "weights_match_lookup": stack.local_weights_match_placement(),
     }
+
+
+def start_from_placement_file(rank, world_size, init_method, paths):
+    """A rank started from ``paths[rank]`` (checked by the ranks together, not by ``validate``, so
+    each rank may see another file): its tables and weights before the first forward, then one
+    checked step; or the error every rank raised."""
+    import dataclasses
+
+    from eplb_graph.placement_file import PlacementFileError
+
+    cfg, context = _setup(rank, world_size, init_method)
+    cfg = dataclasses.replace(cfg, placement_file=paths[rank])
+    with context:
+        try:
+            stack = _stack(cfg, rank, world_size)
+        except PlacementFileError as error:
+            return {"error": str(error)}
+        start = [layer.tables.physical_to_logical.tolist() for layer in stack.rank_layers]
+        weights_match = stack.local_weights_match_placement()
+        stack.step(_batch(cfg, 0, rank))  # checked against the one-process model
+        stats = dict(vars(stack.controller.stats))
+        stack.close()
+        return {"start": start, "weights_match": weights_match, "max_abs_diff": max(stack.max_abs_diff),
+                "stats": stats}

@@ -54,6 +54,8 @@ def no_launch(monkeypatch):
         (["--chaos", "1", "--scale-plan", "2,4"], "--chaos draws its own resizes and faults"),
         (["--chaos", "1", "--faults", "0"], "--faults must be >= 1, got 0"),
         (["--chaos", "1", "--max-ranks", "3"], "--max-ranks must be >= 4"),
+        (["--placement-file", "/nonexistent/p.json"], "placement file /nonexistent/p.json: directory /nonexistent does not exist"),
+        (["--scale-plan", "2,4", "--placement-file", "p.json"], "--placement-file keeps a fixed EP size's placement"),
     ],
 )
 def test_bad_input_fails_before_any_process_starts(args, message, capsys, tmp_path, no_launch):

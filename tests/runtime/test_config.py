@@ -49,3 +49,24 @@ def test_a_layout_or_format_that_cannot_run_is_refused(overrides, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         RunConfig(**overrides).validate()
 
+
+
+def test_a_placement_file_the_run_cannot_start_from_is_refused_naming_the_field(tmp_path):
+    from eplb_graph.placement import initial_placement
+    from eplb_graph.placement_file import PlacementRecord, save
+
+    path = tmp_path / "placement.json"
+    RunConfig(placement_file=str(path)).validate()  # none yet: the run starts cold and writes it
+    kept = RunConfig()
+    save(path, PlacementRecord(kept.placement_identity(), initial_placement(16, 4).repeat(2, 1), None, 1, "runtime"))
+    RunConfig(placement_file=str(path)).validate()
+    with pytest.raises(ValueError, match="ep_size is 2 in the file, 4 here"):
+        RunConfig(placement_file=str(path), ranks=4).validate()
+    with pytest.raises(ValueError, match="num_physical_experts is 20 in the file, 24 here"):
+        RunConfig(placement_file=str(path), num_redundant=8).validate()
+    with pytest.raises(ValueError, match="config_hash is"):
+        RunConfig(placement_file=str(path), seed=1).validate()
+    with pytest.raises(ValueError, match="quantization is 'unquantized' in the file, 'w4a8' here"):
+        RunConfig(placement_file=str(path), weight_format="w4a8").validate()
+    with pytest.raises(ValueError, match="a placement file keeps what EPLB placed: it needs EPLB on"):
+        RunConfig(placement_file=str(path), eplb=False).validate()

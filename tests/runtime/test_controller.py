@@ -1,6 +1,7 @@
 """Multi-rank movement plane: real processes, gloo on loopback, bounded timeouts."""
 
 import pytest
+import torch
 
 from eplb_graph.runtime.launch import RankFailure, run_ranks
 from tests.runtime import multirank_cases
@@ -92,3 +93,42 @@ def test_a_worker_that_stalls_is_surfaced_while_the_committed_placement_serves()
         assert result["max_abs_diff"] == 0.0 and result["weights_match_lookup"]
         assert result["committed_after_release"] >= 2  # released, the layers committed
 
+
+
+def kept_file(path, cfg_overrides=None, placements=None):
+    from eplb_graph.placement_file import PlacementRecord, save
+    from eplb_graph.runtime.config import RunConfig
+
+    cfg = RunConfig(**{**multirank_cases.MOVEMENT, "ranks": 2, **(cfg_overrides or {})})
+    save(path, PlacementRecord(cfg.placement_identity(), torch.tensor(placements or KEPT), None, 3, "runtime"))
+    return path
+
+
+KEPT = [[7, 6, 5, 4, 3, 2, 1, 0, 7, 7, 6, 5], [0, 0, 1, 2, 3, 4, 5, 6, 7, 1, 1, 2]]
+
+
+def test_every_rank_starts_from_a_kept_placement_with_its_slots_holding_their_experts(tmp_path):
+    path = str(kept_file(tmp_path / "p.json"))
+    results = run_ranks(multirank_cases.start_from_placement_file, 2, [path, path], timeout_s=120)
+    for rank, result in enumerate(results):
+        assert result["start"] == KEPT, rank  # the first forward routes by the file
+        assert result["weights_match"] and result["max_abs_diff"] == 0.0, rank
+        assert result["stats"]["placements_restored"] == 1 and result["stats"]["rearrangements_finished"] == 0
+
+
+def test_only_ep_rank_0_reads_the_file_the_others_start_from_what_it_sent(tmp_path):
+    """Ranks on another node without the file (here: rank 1 names a path that does not exist)."""
+    path = str(kept_file(tmp_path / "p.json"))
+    results = run_ranks(multirank_cases.start_from_placement_file, 2, [path, str(tmp_path / "elsewhere.json")],
+                        timeout_s=120)
+    assert [result["start"] for result in results] == [KEPT, KEPT]
+    assert all(result["weights_match"] and result["max_abs_diff"] == 0.0 for result in results)
+
+
+def test_a_file_ep_rank_0_cannot_use_is_refused_on_every_rank(tmp_path):
+    good = kept_file(tmp_path / "p.json")
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text(good.read_text().replace('"written_by": "runtime"', '"written_by": "vllm"'))
+    results = run_ranks(multirank_cases.start_from_placement_file, 2, [str(corrupt), str(good)], timeout_s=120)
+    for result in results:
+        assert result["error"].startswith("EP rank 0: placement file") and "is corrupt" in result["error"], result

@@ -228,3 +228,23 @@ def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
     while live_processes_in_group(process.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert live_processes_in_group(process.pid) == []
+
+
+def test_a_second_run_starts_from_the_placement_the_first_kept_already_balanced(capsys, tmp_path):
+    """Both runs within the workload's first hot slice (it drifts every 100 steps): the second's
+    first window runs on the first run's last committed placement, for a full interval (upstream's
+    first rearrangement of a fresh state comes after three quarters of one; a restored one waits)."""
+    path = tmp_path / "placement.json"
+    args = ("--steps", "40", "--interval", "10", "--placement-file", str(path))
+    code, first = _run(capsys, tmp_path / "first", *args)
+    assert code == 0 and first["rearrangements"] >= 2 and not first["placement_restored"]
+    kept = json.loads(path.read_text())
+    assert kept["written_by"] == "runtime" and kept["rearrangements"] == first["rearrangements"]
+    code, second = _run(capsys, tmp_path / "second", *args)
+    assert code == 0 and second["placement_restored"] and second["output_mismatches"] == 0
+    # its first window runs on the first run's last placement: as balanced as the first run's last
+    # window, and at least as balanced as the first run was on average after its first rebalance
+    assert abs(second["balancedness_windows"][0] - first["balancedness_windows"][-1]) <= 0.02
+    assert second["balancedness_before"] >= first["balancedness_after"] - 0.02
+    assert second["balancedness_before"] > first["balancedness_before"] + 0.05
+    assert json.loads(path.read_text())["rearrangements"] == first["rearrangements"] + second["rearrangements"]
