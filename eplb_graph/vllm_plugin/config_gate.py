@@ -163,6 +163,14 @@ def create_engine_config_with_eplb(upstream_create, engine_args, *args, **kwargs
     problem = built_quantization_problem(config)
     if problem:
         raise EplbConfigError("eplb-graph cannot serve this EPLB request:\n  " + problem)
+    from eplb_graph.placement_file import PlacementFileError
+
+    from .kept_placement import check_at_engine_start
+
+    try:
+        check_at_engine_start(config, os.environ)  # EPLB_GRAPH_PLACEMENT_FILE
+    except PlacementFileError as error:
+        raise EplbConfigError(f"eplb-graph cannot serve this EPLB request:\n  {error}") from None
     install_pass(config.compilation_config)
     usage_context = kwargs.get("usage_context", args[0] if args else None)
     headless = kwargs.get("headless", args[1] if len(args) > 1 else False)  # a node with engines and no API server

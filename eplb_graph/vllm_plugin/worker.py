@@ -28,7 +28,7 @@ from eplb_graph.upstream import patches
 from eplb_graph.upstream.binding import UpstreamBinding
 from eplb_graph.upstream.watchdog import stall_bound_from_env
 
-from . import router_adapter
+from . import kept_placement, router_adapter
 from .compile_watch import CompileWatch
 from .dp_dispatch import bind_dp_dispatch
 from .expert_views import ExpertWeightView, complete_move_list
@@ -155,6 +155,7 @@ class VllmEplbWorker:
             {"model_name": str(runner.model_config.served_model_name), "engine": str(parallel_config.data_parallel_rank),
              "ep_rank": str(self.ep_rank)}, ep_size=self.ep_size, publish_dir=os.environ.get(METRICS_DIR))
         self._wrap_runner_steps()
+        self.placement_keeper = kept_placement.start(self, os.environ)  # before the async loop and any forward
         if self.built_upstream_state and runner.eplb_state.is_async:
             runner.eplb_state.start_async_loop()
         log_active(self)
@@ -189,6 +190,8 @@ class VllmEplbWorker:
                         self.compile_watch.start(after="the first real step")  # where no warm-up hook started it
                     self.compile_watch.check()
                 self.binding.after_step(in_flight=in_flight, where=f"of vLLM runner on {runner.device}")
+                if self.placement_keeper is not None:
+                    self.placement_keeper.after_step(self.model_state, self.stats.rearrangements_finished, in_flight)
                 if self.stats.rearrangements_finished > self.rearrangements_logged:
                     self.log_rearrangement()
             finally:  # a dead worker or a stall raised here is published first
@@ -221,7 +224,12 @@ class VllmEplbWorker:
             finished=self.stats.rearrangements_finished, stalls=self.binding.rearrangement_stalls,
             bytes_moved=self.bytes_moved(), worker_alive=self.binding.worker_error is None,
             graphs_compiled=self.compile_watch and self.compile_watch.since_start(),
-            model_state=next(iter(self.runner.eplb_state.model_states.values())))
+            model_state=self.model_state)
+
+    @property
+    def model_state(self):
+        """Upstream's state of the served model (a drafter's comes after it)."""
+        return next(iter(self.runner.eplb_state.model_states.values()))
 
     def log_rearrangement(self) -> None:
         """One line per rearrangement fully committed on this worker: what it moved, so far."""
@@ -263,6 +271,7 @@ class VllmEplbWorker:
             "rearrangement_stalls": self.binding.rearrangement_stalls,
             "worker_error": None if self.binding.worker_error is None else repr(self.binding.worker_error),
             "built_upstream_state": self.built_upstream_state,
+            "placements_restored": self.stats.placements_restored,  # from EPLB_GRAPH_PLACEMENT_FILE, at start
             # None: no layer mapped by the pass, or not started
             "graphs_compiled_while_serving": self.compile_watch and self.compile_watch.since_start(),
             "expert_views": {name: view.summary() for name, view in self.expert_views.items()},

@@ -52,6 +52,7 @@ def main() -> int:
     parser.add_argument("--hide-scales-from-upstream", action="store_true")
     parser.add_argument("--no-derived-moves", action="store_true")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (expert parallel over as many workers)")
+    parser.add_argument("--placement-file", help="EPLB_GRAPH_PLACEMENT_FILE: start from it where it exists, keep it current")
     parser.add_argument("--dp", nargs=3, type=int, metavar=("RANK", "SIZE", "PORT"),
                         help="one rank of vLLM's offline data parallel (one process per rank): its share of the prompts")
     args = parser.parse_args()
@@ -66,6 +67,8 @@ def main() -> int:
                           VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(core) for core in range(size)))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.placement_file:  # vLLM's processes (the TP workers) inherit it
+        os.environ["EPLB_GRAPH_PLACEMENT_FILE"] = args.placement_file
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -7,6 +7,7 @@ tests go through exactly the path a user's ``LLM(...)`` takes up to the engine c
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -179,6 +180,47 @@ def test_an_adaptation_upstream_broke_is_refused_at_engine_start_by_name(model_d
     assert "EplbState._should_record_current_step: signature changed (expected parameters (self, log_stats" in message
     assert message.count("\n  ") == 2  # those two (the step probes' layer is not the plugin's)
     assert not engine_args(model_dir).create_engine_config().parallel_config.enable_eplb
+
+
+def test_a_placement_file_that_cannot_serve_is_refused_at_engine_start_naming_why(model_dir, tmp_path, monkeypatch):
+    """EPLB_GRAPH_PLACEMENT_FILE, checked in the frontend before any worker starts: a file kept for
+    another EP size, another model, or one that is corrupt; a directory that cannot hold it. The layer
+    and slot counts are checked by the workers (test_engine.py)."""
+    from eplb_graph.placement import initial_placement
+    from eplb_graph.placement_file import PlacementRecord, save
+    from eplb_graph.vllm_plugin.kept_placement import CONFIG_HASH, check_at_engine_start, vllm_identity
+
+    config = eplb_args(model_dir).create_engine_config()
+    fits = dataclasses.replace(vllm_identity(config.model_config, 1, {}), num_layers=2, num_logical_experts=8,
+                               num_physical_experts=10)
+    path = tmp_path / "placement.json"
+    monkeypatch.setenv("EPLB_GRAPH_PLACEMENT_FILE", str(path))
+    monkeypatch.setenv(CONFIG_HASH, "")  # taken back after the test, though the gate sets it
+    eplb_args(model_dir).create_engine_config()  # no file yet: the engine will write it
+    assert os.environ[CONFIG_HASH] == fits.config_hash  # what the workers will put in the file
+
+    def refused(identity, message):
+        save(path, PlacementRecord(identity, initial_placement(8, 2).repeat(2, 1), None, 1, "vllm"))
+        with pytest.raises(EplbConfigError, match=message):
+            eplb_args(model_dir).create_engine_config()
+
+    save(path, PlacementRecord(fits, initial_placement(8, 2).repeat(2, 1), None, 1, "vllm"))
+    eplb_args(model_dir).create_engine_config()  # fits
+    refused(dataclasses.replace(fits, ep_size=2), "ep_size is 2 in the file, 1 here")
+    refused(dataclasses.replace(fits, config_hash="0"), "config_hash is '0' in the file")
+    refused(dataclasses.replace(fits, quantization="fp8"), "quantization is 'fp8' in the file, 'none' here")
+    path.write_text(path.read_text().replace('"written_by": "vllm"', '"written_by": "x"'))
+    with pytest.raises(EplbConfigError, match="is corrupt: its checksum does not match"):
+        eplb_args(model_dir).create_engine_config()
+    monkeypatch.setenv("EPLB_GRAPH_PLACEMENT_FILE", str(tmp_path / "missing" / "placement.json"))
+    with pytest.raises(EplbConfigError, match="directory .*missing does not exist"):
+        eplb_args(model_dir).create_engine_config()
+    assert not engine_args(model_dir).create_engine_config().parallel_config.enable_eplb  # EPLB off reads nothing
+    staged = copy.copy(config)  # one EP group per pipeline stage: which would the file be?
+    staged.parallel_config = copy.copy(config.parallel_config)
+    staged.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match="keeps one EP group's placement; pipeline parallel"):
+        check_at_engine_start(staged, {"EPLB_GRAPH_PLACEMENT_FILE": str(path)})
 
 
 @pytest.mark.launches

@@ -5,7 +5,9 @@ random-weight Qwen3-MoE with 8 experts, top-2, 4 redundant slots, window 4, inte
 expert parallel over two worker processes: TP=2 (compiled and eager) and DP=2 (vLLM's offline
 data parallel, one process per rank, compiled), where experts move between the workers and each
 rank computes only the pairs routed to its own slots. Every multi-process run is compared with
-the one-process EPLB-off run. vLLM's default layout, the engine core in a process of its own where
+the one-process EPLB-off run. The compiled TP=2 run keeps its placement in a file
+(``EPLB_GRAPH_PLACEMENT_FILE``), and once it has ended, the same engine restarts from it and one
+built for another layout is refused by it. vLLM's default layout, the engine core in a process of its own where
 the plugin loads again, is what the OpenAI server runs (test_server.py).
 """
 
@@ -30,12 +32,19 @@ RUNS = {
     "compiled_on": ["--eplb", "on", "--mode", "compiled"],
     "eager_off": ["--eplb", "off", "--mode", "eager"],
     "eager_on": ["--eplb", "on", "--mode", "eager"],
-    "tp2_compiled_on": ["--eplb", "on", "--mode", "compiled", "--tp", "2"],
+    "tp2_compiled_on": ["--eplb", "on", "--mode", "compiled", "--tp", "2", "--placement-file", "{placement}"],
     "tp2_eager_on": ["--eplb", "on", "--mode", "eager", "--tp", "2"],
     # the two ranks of one DP=2 engine start together (run_in_pairs); the port is filled in by ``runs``
     "dp2_rank0": ["--eplb", "on", "--mode", "compiled", "--dp", "0", "2", "{port}"],
     "dp2_rank1": ["--eplb", "on", "--mode", "compiled", "--dp", "1", "2", "{port}"],
 }
+# started once every run above has ended, from the placement tp2_compiled_on kept
+RESTARTS = {
+    "tp2_compiled_restored": RUNS["tp2_compiled_on"],
+    "tp2_other_layout": ["--eplb", "on", "--mode", "compiled", "--tp", "2", "--redundant", "2",
+                         "--placement-file", "{placement}"],
+}
+REFUSED = {"tp2_other_layout"}  # the engine must fail to start
 MULTI_PROCESS = {"tp2_compiled": ["tp2_compiled_on"], "tp2_eager": ["tp2_eager_on"], "dp2": ["dp2_rank0", "dp2_rank1"]}
 INITIAL_PLACEMENT = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]  # upstream's: logical ids, then round-robin
 
@@ -52,9 +61,11 @@ def launch(args: list[str], workdir: Path) -> subprocess.Popen:
     )
 
 
-def result_of(process: subprocess.Popen, name: str) -> dict:
+def result_of(process: subprocess.Popen, name: str, refused: set[str] = frozenset()) -> dict:
     output, _ = process.communicate(timeout=600)
     lines = [line for line in output.splitlines() if line.startswith("ENGINE_RUN_RESULT ")]
+    if name in refused:
+        return {"returncode": process.returncode, "output": output, "served": bool(lines)}
     assert process.returncode == 0 and lines, f"{name} failed:\n{output[-6000:]}"
     # upstream's own log line, from whichever process ran the worker
     return {**json.loads(lines[-1].split(" ", 1)[1]), "upstream_rearrangements_logged": output.count(
@@ -62,24 +73,34 @@ def result_of(process: subprocess.Popen, name: str) -> dict:
         "active_lines": [line for line in output.splitlines() if "eplb-graph active on" in line]}
 
 
-def run_in_pairs(runs: dict[str, list[str]], workdir: Path) -> dict[str, dict]:
+def run_in_pairs(runs: dict[str, list[str]], workdir: Path, refused: set[str] = frozenset()) -> dict[str, dict]:
     """Two engines at a time, one per core of these machines; the ranks of one DP engine together."""
     results = {}
     names = [name for name in runs if name not in MULTI_PROCESS["dp2"]]
     batches = [names[start : start + 2] for start in range(0, len(names), 2)]
     for batch in [*batches, MULTI_PROCESS["dp2"]]:
         processes = {name: launch(runs[name], workdir) for name in batch if name in runs}
-        results.update({name: result_of(process, name) for name, process in processes.items()})
+        results.update({name: result_of(process, name, refused) for name, process in processes.items()})
     return results
+
+
+def filled(runs: dict[str, list[str]], **values: str) -> dict[str, list[str]]:
+    """Each run's arguments with its ``{name}`` placeholders filled in."""
+    fill = {f"{{{name}}}": value for name, value in values.items()}
+    return {name: [fill.get(arg, arg) for arg in args] for name, args in runs.items()}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     from tests.vllm_plugin.test_server import free_port
 
-    port = str(free_port())
-    runs = {name: [port if arg == "{port}" else arg for arg in args] for name, args in RUNS.items()}
-    return run_in_pairs(runs, tmp_path_factory.mktemp("engine"))
+    workdir = tmp_path_factory.mktemp("engine")
+    placement = workdir / "placement.json"
+    results = run_in_pairs(filled(RUNS, port=str(free_port()), placement=str(placement)), workdir)
+    results["kept_placement"] = json.loads(placement.read_text())  # what tp2_compiled_on left at its end
+    results.update(run_in_pairs(filled(RESTARTS, placement=str(placement)), workdir, REFUSED))
+    results["placement_after_restart"] = json.loads(placement.read_text())
+    return results
 
 
 def test_greedy_tokens_are_identical_with_eplb_on_and_off(runs):
@@ -175,10 +196,9 @@ def test_experts_move_between_the_workers(runs, layout):
     assert sum(w["bytes_sent"] for w in workers) == sum(w["bytes_received"] for w in workers)
 
 
-def check_slots_hold_committed_experts(workers: list[dict], num_experts: int = 8) -> None:
+def expert_digests(workers: list[dict], num_experts: int = 8) -> dict[str, dict[int, str]]:
     """Digests of each slot's expert bytes at start (upstream's initial placement, which puts every
-    logical expert on some rank) name each expert; after generation every slot of every rank holds
-    the expert the committed placement names, and some rank's slots hold other experts than at start."""
+    logical expert on some rank) name each expert: {layer: {logical expert: digest}}."""
     expert_digest: dict[str, dict[int, str]] = {}
     for worker in workers:
         before = worker["before"]
@@ -190,15 +210,29 @@ def check_slots_hold_committed_experts(workers: list[dict], num_experts: int = 8
                 expert = placement[before["ep_rank"] * local + slot]
                 assert expert_digest.setdefault(key, {}).setdefault(expert, digest) == digest, (key, expert)
     assert all(len(set(experts.values())) == num_experts for experts in expert_digest.values())  # distinct bytes
+    return expert_digest
+
+
+def slots_hold(summary: dict, expert_digest: dict[str, dict[int, str]]) -> bool:
+    """Every local slot of one worker's summary holds the expert its placement names."""
+    local = len(next(iter(summary["slot_digests"].values())))
+    mine = slice(summary["ep_rank"] * local, (summary["ep_rank"] + 1) * local)
+    return all(digests == [expert_digest[key][expert] for expert in summary["layers"][key]["placement"][mine]]
+               for key, digests in summary["slot_digests"].items())
+
+
+def check_slots_hold_committed_experts(workers: list[dict], num_experts: int = 8) -> None:
+    """After generation every slot of every rank holds the expert the committed placement names,
+    and some rank's slots hold other experts than at start."""
+    expert_digest = expert_digests(workers, num_experts)
     moved = 0
     for worker in workers:
         after = worker["after"]
+        assert slots_hold(after, expert_digest)
         local = len(next(iter(after["slot_digests"].values())))
         mine = slice(after["ep_rank"] * local, (after["ep_rank"] + 1) * local)
-        for key, digests in after["slot_digests"].items():
-            placement = after["layers"][key]["placement"][mine]
-            assert digests == [expert_digest[key][expert] for expert in placement], key
-            moved += placement != worker["before"]["layers"][key]["placement"][mine]
+        moved += sum(after["layers"][key]["placement"][mine] != worker["before"]["layers"][key]["placement"][mine]
+                     for key in after["layers"])
     assert moved >= 1
 
 
@@ -241,3 +275,38 @@ def test_each_worker_names_what_it_adapts_in_its_active_line(runs, layout):
                "(token, k) pairs only (eplb_graph::local_expert_pairs)" in line
         assert ("DP tokens dispatched over 2 ranks by eplb_graph::ep_all_gatherv / ep_reduce_scatterv" in line) == \
                (layout == "dp2")
+
+
+def placements_of(summary: dict) -> list[list[int]]:
+    return [layer["placement"] for layer in summary["layers"].values()]  # upstream's layer order
+
+
+def test_a_rearranging_engine_keeps_its_committed_placement_in_the_file(runs):
+    kept, saving = runs["kept_placement"], runs["tp2_compiled_on"]["workers"]
+    assert kept["format"] == "eplb-graph placement" and kept["written_by"] == "vllm"
+    assert kept["identity"]["architecture"] == "Qwen3MoeForCausalLM" and kept["identity"]["ep_size"] == 2
+    assert kept["identity"]["num_physical_experts"] == 12 and kept["identity"]["quantization"] == "none"
+    assert kept["physical_to_logical"] == placements_of(saving[0]["after"])  # the last committed, at shutdown
+    assert kept["rearrangements"] == saving[0]["after"]["rearrangements_committed"] >= 3
+    assert kept["physical_to_logical"] != [INITIAL_PLACEMENT] * 2
+
+
+def test_a_restarted_engine_serves_from_the_kept_placement_with_every_slot_holding_its_expert(runs):
+    kept, restored = runs["kept_placement"], runs["tp2_compiled_restored"]
+    expert_digest = expert_digests(runs["tp2_compiled_on"]["workers"])  # the first run's experts at start
+    for worker in restored["workers"]:
+        before = worker["before"]  # after start, before any request: the first forward already routes by it
+        assert before["placements_restored"] == 1 and before["rearrangements_committed"] == 0
+        assert placements_of(before) == kept["physical_to_logical"]
+        assert slots_hold(before, expert_digest)
+        assert worker["after"]["worker_error"] is None and slots_hold(worker["after"], expert_digest)
+    assert restored["tokens"] == runs["compiled_off"]["tokens"]
+    assert restored["recompiles_after_warm_up"] == 0
+    after = runs["placement_after_restart"]  # kept current by the restarted engine too
+    assert after["rearrangements"] == kept["rearrangements"] + restored["eplb"]["rearrangements_committed"]
+
+
+def test_an_engine_of_another_layout_refuses_the_file_at_start_by_name(runs):
+    refused = runs["tp2_other_layout"]
+    assert refused["returncode"] != 0 and not refused["served"]
+    assert "num_physical_experts is 12 in the file, 10 here" in refused["output"]

@@ -17,11 +17,21 @@ move is shown by the view (what the kernel reads is what upstream moves), not by
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from eplb_graph.models.tiny_checkpoint import TINY_QWEN3_MOE
-from tests.vllm_plugin.test_engine import check_slots_hold_committed_experts, run_in_pairs
+from tests.vllm_plugin.test_engine import (
+    check_slots_hold_committed_experts,
+    expert_digests,
+    filled,
+    placements_of,
+    run_in_pairs,
+    slots_hold,
+)
 
 pytest.importorskip("vllm")
 
@@ -37,18 +47,21 @@ RUNS = {
     "int4_on": ["--eplb", "on", "--weights", "int4-checkpoint", *COMPILED],
     # expert parallel over two TP workers, each computing its own pairs on the quantized kernels
     "checkpoint_tp2_on": ["--eplb", "on", "--weights", "fp8-checkpoint", "--tp", "2", *COMPILED],
-    "int4_tp2_on": ["--eplb", "on", "--weights", "int4-checkpoint", "--tp", "2", *COMPILED],
+    "int4_tp2_on": ["--eplb", "on", "--weights", "int4-checkpoint", "--tp", "2", "--placement-file", "{placement}",
+                    *COMPILED],
     # the same engines never rebalancing: TP=2 all-reduces bfloat16 partial sums, so its tokens are
     # TP=2's own, not one process's (in float32 they agree: test_engine.py); EPLB must not change them
     "checkpoint_tp2_static": ["--eplb", "on", "--weights", "fp8-checkpoint", "--tp", "2", "--interval", "1000000",
                               *COMPILED],
     "int4_tp2_static": ["--eplb", "on", "--weights", "int4-checkpoint", "--tp", "2", "--interval", "1000000",
-                        *COMPILED],
+                        "--placement-file", "{static_placement}", *COMPILED],
     "checkpoint_on_scales_hidden": ["--eplb", "on", "--weights", "fp8-checkpoint", "--hide-scales-from-upstream",
                                     *COMPILED],
     "checkpoint_on_scales_left_behind": ["--eplb", "on", "--weights", "fp8-checkpoint", "--hide-scales-from-upstream",
                                          "--no-derived-moves", *COMPILED],
 }
+# started once every run above has ended, from the placement int4_tp2_on kept
+RESTARTS = {"int4_tp2_restored": RUNS["int4_tp2_on"]}
 BLOCK_SCALES = ["w13_weight_scale_inv", "w2_weight_scale_inv"]
 FP8_READS = {"w13_weight": "w13_weight", "w2_weight": "w2_weight", "w1_scale": BLOCK_SCALES[0], "w2_scale": BLOCK_SCALES[1]}
 # the blocked int4 weights, their scales and the zero points the method creates at load
@@ -58,7 +71,13 @@ INT4_READS = {"w13_weight": "w13_weight_packed", "w2_weight": "w2_weight_packed"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
-    return run_in_pairs(RUNS, tmp_path_factory.mktemp("engine_fp8"))
+    workdir = tmp_path_factory.mktemp("engine_fp8")
+    placement = str(workdir / "placement.json")
+    static_placement = workdir / "static_placement.json"
+    results = run_in_pairs(filled(RUNS, placement=placement, static_placement=str(static_placement)), workdir)
+    results["kept_placement"] = json.loads(Path(placement).read_text())
+    results["static_placement"] = json.loads(static_placement.read_text())
+    return {**results, **run_in_pairs(filled(RESTARTS, placement=placement), workdir)}
 
 
 @pytest.mark.parametrize("weights", ["online", "checkpoint", "int4"])
@@ -127,3 +146,22 @@ def test_two_tp_workers_move_quantized_experts_between_them(runs, weights, exper
     check_slots_hold_committed_experts(workers)  # scales and zero points are in each slot's digest
     assert len(run["active_lines"]) == 2 and all(f"each layer's {experts} compute this rank's (token, k) pairs only"
                                                  in line for line in run["active_lines"])
+
+
+def test_a_restarted_quantized_engine_starts_from_the_kept_placement_scales_and_zero_points_with_it(runs):
+    kept, restored = runs["kept_placement"], runs["int4_tp2_restored"]
+    assert kept["identity"]["quantization"] == "compressed-tensors"
+    assert kept["physical_to_logical"] == placements_of(runs["int4_tp2_on"]["workers"][0]["after"])
+    expert_digest = expert_digests(runs["int4_tp2_on"]["workers"])  # packed weights, scales, zero points
+    for worker in restored["workers"]:
+        before = worker["before"]
+        assert before["placements_restored"] == 1 and placements_of(before) == kept["physical_to_logical"]
+        assert slots_hold(before, expert_digest) and slots_hold(worker["after"], expert_digest)
+    assert restored["tokens"] == runs["int4_tp2_static"]["tokens"]
+
+
+def test_an_engine_that_never_rearranged_writes_its_placement_at_shutdown(runs):
+    """No rearrangement committed, so only the runner's shutdown can have written it."""
+    static = runs["static_placement"]
+    assert static["rearrangements"] == 0 and static["load_window"] is None
+    assert static["physical_to_logical"] == placements_of(runs["int4_tp2_static"]["workers"][0]["after"])
