@@ -4,6 +4,7 @@
     compiled = torch.compile(model, backend=handle.backend(), fullgraph=True)
     ...                       # every forward records load per physical expert
     handle.rearrange()        # upstream policy -> move weights -> refresh lookups in place
+    handle.save_placement("placement.json")  # enable(model, placement="placement.json") starts from it
 
 ``enable`` validates everything before it touches the model, then turns each MoE layer's
 routed-expert weights from logical [num_logical, ...] into physical [num_physical, ...]
@@ -21,6 +22,7 @@ graph reads, so the default costs the hot path nothing: no branch, no host sync.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,8 +31,11 @@ from torch import fx, nn
 
 from eplb_graph.adapter_base import ENABLED_MARK
 from eplb_graph.adapters import DEFAULT_ADAPTERS, MoEAdapter, MoELayerSpec, find_moe_layers
+from eplb_graph.enable_placement import kept_placement, model_identity
 from eplb_graph.layer_lookup import BatchFlags, LayerLookup, RoutedLayer, batch_in_load_phase, check_load_phase
 from eplb_graph.placement import check_expert_layout, initial_placement, validate_layer_placements
+from eplb_graph.placement_file import PlacementRecord
+from eplb_graph.placement_file import save as save_placement_file
 from eplb_graph.passes.inductor_pass import EplbPostGradPass, torchair_backend, vllm_inductor_pass
 from eplb_graph.passes.insert_routing import RoutingPassResult, insert_eplb_routing
 from eplb_graph.passes.router_sites import RouterBinding
@@ -137,6 +142,7 @@ class EplbHandle:
         self.options = options
         self.compiled_graphs: list[CompiledGraphRecord] = []
         self.rearrangements = 0
+        self.last_load: torch.Tensor | None = None  # [num_layers, num_logical]: what the placement was computed from
 
     # -- the pass, in every form a compiler wants ----------------------------------------
 
@@ -207,7 +213,16 @@ class EplbHandle:
         self.check_load_recorded(idle)
         old = self.physical_to_logical()
         new = DefaultEplbPolicy.rebalance_experts(load, old.shape[1], 1, 1, self.options.ep_size, old)
-        return self.apply_placement(torch.where(idle[:, None], old, new.to(old.dtype)))
+        placed = self.apply_placement(torch.where(idle[:, None], old, new.to(old.dtype)))
+        self.last_load = load.cpu()
+        return placed
+
+    def save_placement(self, path: str | os.PathLike) -> None:
+        """Writes the placement routed now, with the load it was computed from, to a placement file
+        (``placement_file.py``; atomically): ``enable(model, placement=path)`` starts from it."""
+        identity = model_identity(self.model, [layer.spec for layer in self.layers], self.options)
+        save_placement_file(path, PlacementRecord(identity, self.physical_to_logical().cpu(), self.last_load,
+                                                  self.rearrangements, "enable"))
 
     def check_load_recorded(self, idle: torch.Tensor) -> None:
         """Refuses to balance on nothing: some layer must have recorded load since the last placement."""
@@ -256,8 +271,11 @@ def enable(
     strict: bool = True,
     verify: bool = True,
     adapters: tuple[MoEAdapter, ...] = DEFAULT_ADAPTERS,
+    placement: str | os.PathLike | None = None,
 ) -> EplbHandle:
-    """Puts a MoE model under graph-mode EPLB (see the module docstring)."""
+    """Puts a MoE model under graph-mode EPLB (see the module docstring); ``placement``: a
+    placement file (``handle.save_placement``) the experts start from instead of the initial
+    placement, refused before any weight moves if it does not fit this model."""
     options = EplbOptions(num_redundant_experts, ep_size, load_phase, strict, verify)
     options.validate()
     adapter, specs = find_moe_layers(model, adapters)
@@ -272,6 +290,7 @@ def enable(
             leading = getattr(spec.experts, name).shape[0]
             if leading != spec.num_experts:
                 raise ValueError(f"{spec.name}.experts.{name} has {leading} rows, expected {spec.num_experts} logical experts")
+    kept = None if placement is None else kept_placement(placement, model_identity(model, specs, options))
 
     handle_id = next(_handle_ids)
     device = next(model.parameters()).device
@@ -279,11 +298,15 @@ def enable(
     flags.set_(record=load_phase == "all", num_unpadded_tokens=EVERY_ROW)  # until set_batch says otherwise
     layers = []
     for index, spec in enumerate(specs):
-        placement = initial_placement(spec.num_experts, num_redundant_experts)
+        start = initial_placement(spec.num_experts, num_redundant_experts) if kept is None else kept.physical_to_logical[index]
         for name in spec.expert_param_names:
-            setattr(spec.experts, name, to_physical_layout(getattr(spec.experts, name), placement))
+            setattr(spec.experts, name, to_physical_layout(getattr(spec.experts, name), start))
         adapter.set_num_physical(spec, spec.num_experts + num_redundant_experts)
-        tables = LayerLookup(spec.num_experts, spec.num_experts + num_redundant_experts, placement=placement, device=device)
+        tables = LayerLookup(spec.num_experts, spec.num_experts + num_redundant_experts, placement=start, device=device)
         layers.append(EplbLayer(f"eplb{handle_id}.{index}", spec, tables, flags))
         setattr(spec.experts, ENABLED_MARK, layers[-1].key)
-    return EplbHandle(model, layers, flags, options)
+    handle = EplbHandle(model, layers, flags, options)
+    if kept is not None:
+        handle.rearrangements, handle.last_load = kept.rearrangements, kept.load_window
+    return handle
+
