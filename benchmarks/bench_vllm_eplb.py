@@ -71,6 +71,35 @@ def write_skewed_checkpoint(directory: Path, *, hidden: int, intermediate: int, 
     return directory
 
 
+def add_skewed_checkpoint_arguments(parser: argparse.ArgumentParser, *, intermediate: int) -> None:
+    """The skewed checkpoint's shape and skew (this benchmark's and ``bench_kept_placement.py``'s)."""
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=intermediate)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--redundant", type=int, default=4)
+    parser.add_argument("--hot", type=int, nargs="+", default=[4, 5], help="hot logical experts (rank 0's, unreplicated)")
+    parser.add_argument("--bias", type=float, default=0.15, help="router bias towards the hot experts")
+
+
+def add_request_arguments(parser: argparse.ArgumentParser, *, requests: int, batch: int, batch_tokens: int) -> None:
+    """Prefill-heavy requests and the engine's batch limits."""
+    parser.add_argument("--requests", type=int, default=requests)
+    parser.add_argument("--prompt-tokens", type=int, default=240)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=batch, help="max_num_seqs")
+    parser.add_argument("--batch-tokens", type=int, default=batch_tokens, help="max_num_batched_tokens")
+
+
+def skewed_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace, directory: Path) -> Path:
+    """The checkpoint ``add_skewed_checkpoint_arguments`` describes, its hot experts checked first."""
+    if not all(args.redundant <= e < (args.experts + args.redundant) // 2 for e in args.hot):
+        parser.error(f"--hot {args.hot}: hot experts must sit in rank 0's slots, unreplicated "
+                     f"({args.redundant}..{(args.experts + args.redundant) // 2 - 1})")
+    return write_skewed_checkpoint(directory, hidden=args.hidden, intermediate=args.intermediate, layers=args.layers,
+                                   experts=args.experts, hot=args.hot, bias=args.bias)
+
+
 def worker_counters(worker) -> dict:
     """One worker's EPLB figures (run in each worker by ``collective_rpc``)."""
     eplb = worker.model_runner.eplb_graph
@@ -208,21 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="static / rebalanced pairs, alternated (>= 2)")
     parser.add_argument("--arm", choices=["static", "rebalanced"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--intermediate", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--redundant", type=int, default=4)
-    parser.add_argument("--hot", type=int, nargs="+", default=[4, 5], help="hot logical experts (rank 0's, unreplicated)")
-    parser.add_argument("--bias", type=float, default=0.15, help="router bias towards the hot experts")
+    add_skewed_checkpoint_arguments(parser, intermediate=2048)
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--interval", type=int, default=16)
     parser.add_argument("--warm-requests", type=int, default=96)
-    parser.add_argument("--requests", type=int, default=96)
-    parser.add_argument("--prompt-tokens", type=int, default=240)
-    parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--batch-tokens", type=int, default=1024)
+    add_request_arguments(parser, requests=96, batch=16, batch_tokens=1024)
     args = parser.parse_args(argv)
     if args.arm:
         return run_arm(args)
@@ -230,12 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out FILE is required")
     if args.rounds < 2:
         parser.error(f"--rounds must be >= 2 (the A/A pair), got {args.rounds}")
-    if not all(args.redundant <= e < (args.experts + args.redundant) // 2 for e in args.hot):
-        parser.error(f"--hot {args.hot}: hot experts must sit in rank 0's slots, unreplicated "
-                     f"({args.redundant}..{(args.experts + args.redundant) // 2 - 1})")
-    model = write_skewed_checkpoint(Path(tempfile.mkdtemp(prefix="eplb-graph-skewed-")), hidden=args.hidden,
-                                    intermediate=args.intermediate, layers=args.layers, experts=args.experts,
-                                    hot=args.hot, bias=args.bias)
+    model = skewed_checkpoint(parser, args, Path(tempfile.mkdtemp(prefix="eplb-graph-skewed-")))
     runs = []
     for arm in [arm for round_ in range(args.rounds) for arm in ("static", "rebalanced")[:: 1 if round_ % 2 == 0 else -1]]:
         runs.append(launch_arm(arm, model, args))

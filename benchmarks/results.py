@@ -50,6 +50,7 @@ FILES = {
     "chaos_2": "chaos_2/chaos.json",
     "chaos_3": "chaos_3/chaos.json",
     "vllm_eplb": "bench_vllm_eplb.json",
+    "kept_placement": "bench_kept_placement.json",
     "gpu": "gpu_bench.json",
 }
 assert set(FILES) == set(RENDERERS) == set(TITLES), "each benchmark file has a renderer and a title"
@@ -167,6 +168,12 @@ def headline(record: dict) -> str:
                      f"{vllm_eplb['rebalanced_over_static']} ({vllm_eplb['aa_ratio']}); {vllm_eplb['balancedness_static']}"
                      f" -> {vllm_eplb['balancedness_rebalanced']}; {vllm_eplb['share_of_predicted_gain']} of "
                      f"{vllm_eplb['predicted_gain']}", ">= 1.15; -; >= 0.8", "`bench_vllm_eplb.py`"])
+    kept = record.get("kept_placement")
+    if kept:
+        rows.append([f"vLLM {kept['layout']} restart, skewed router: balancedness of the first window, cold -> from "
+                     "the kept placement (the cold run converged)",
+                     f"{kept['first_window_cold']} -> {kept['first_window_restored']} ({kept['converged_cold']})",
+                     "restored ~ converged", "`bench_kept_placement.py`"])
     gpu = record.get("gpu")
     rows.append(["GPU (CUDA graphs, Triton kernel)", "not measured yet: no GPU has been lent" if gpu is None
                  else f"{sum(e['status'] == 'ok' for e in gpu['stages'].values())} of {len(gpu['stages'])} stages ok",

@@ -155,6 +155,22 @@ def render_vllm_eplb(r: dict) -> str:
     return f"{meta}\n\n{arms}\n\n{ratios}"
 
 
+def render_kept_placement(r: dict) -> str:
+    config = r["config"]
+    meta = (f"{r['layout']}, {config['experts']} experts + {config['redundant']} redundant, hot {config['hot']}, "
+            f"interval {config['interval']} steps, {config['requests']} requests of {config['prompt_tokens']} tokens, "
+            f"{len(r['runs']) // 2} rounds")
+    runs = table(["round", "start", "window balancedness (each window of loaded steps)", "rearrangements kept"],
+                 [[run["round"], run["arm"], ", ".join(str(w) for w in run["windows"]), run["kept_rearrangements"]]
+                  for run in r["runs"]])
+    summary = table(["first window: cold -> restored", "cold, converged", "restored first / converged",
+                     "first-window spread (cold, restored)"],
+                    [[f"{r['first_window_cold']} -> {r['first_window_restored']}", r["converged_cold"],
+                      r["restored_first_over_converged"],
+                      f"{r['first_window_spread']['cold']}, {r['first_window_spread']['restored']}"]])
+    return f"{meta}\n\n{runs}\n\n{summary}"
+
+
 def render_chaos(r: dict) -> str:
     totals = table(["faults (by kind)", "seconds", "requests answered / unanswered", "answered twice", "mismatches",
                     "recompiles", "detection max s (bound)", "detection to serving max s (bound)", "failed"],
@@ -178,7 +194,8 @@ RENDERERS = {"run": render_run, "bench": render_bench, "data_plane": render_benc
              "movement": render_movement, "injected_work": render_injected_work, "elastic": render_elastic,
              "elastic_fault": render_elastic, "elastic_fault_rank0": render_elastic,
              "elastic_control": render_elastic_control, "chaos_1": render_chaos, "chaos_2": render_chaos,
-             "chaos_3": render_chaos, "vllm_eplb": render_vllm_eplb, "gpu": render_gpu}
+             "chaos_3": render_chaos, "vllm_eplb": render_vllm_eplb, "kept_placement": render_kept_placement,
+             "gpu": render_gpu}
 TITLES = {
     "run": "`make run` (`eplb-graph run`: 2 ranks, compiled, live EPLB, outputs checked every step)",
     "bench": "`eplb-graph bench` (capture vs eager, EPLB off / on_idle / on_rearranging)",
@@ -199,5 +216,6 @@ TITLES = {
     "chaos_2": "`eplb-graph run --chaos 2`",
     "chaos_3": "`eplb-graph run --chaos 3`",
     "vllm_eplb": "`bench_vllm_eplb.py` (vLLM TP=2 + EP on a skewed router: rebalanced against static placement)",
+    "kept_placement": "`bench_kept_placement.py` (vLLM TP=2 + EP: the first windows from a cold start and from a kept placement)",
     "gpu": "`gpu_bench.py` on a lent GPU",
 }
