@@ -17,6 +17,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -34,11 +36,11 @@ RUNS = {
     "eager_on": ["--eplb", "on", "--mode", "eager"],
     "tp2_compiled_on": ["--eplb", "on", "--mode", "compiled", "--tp", "2", "--placement-file", "{placement}"],
     "tp2_eager_on": ["--eplb", "on", "--mode", "eager", "--tp", "2"],
-    # the two ranks of one DP=2 engine start together (run_in_pairs); the port is filled in by ``runs``
+    # the two ranks of one DP=2 engine start together (run_two_at_a_time); the port is filled in by ``runs``
     "dp2_rank0": ["--eplb", "on", "--mode", "compiled", "--dp", "0", "2", "{port}"],
     "dp2_rank1": ["--eplb", "on", "--mode", "compiled", "--dp", "1", "2", "{port}"],
 }
-# started once every run above has ended, from the placement tp2_compiled_on kept
+# started once tp2_compiled_on has ended, from the placement it kept
 RESTARTS = {
     "tp2_compiled_restored": RUNS["tp2_compiled_on"],
     "tp2_other_layout": ["--eplb", "on", "--mode", "compiled", "--tp", "2", "--redundant", "2",
@@ -73,14 +75,32 @@ def result_of(process: subprocess.Popen, name: str, refused: set[str] = frozense
         "active_lines": [line for line in output.splitlines() if "eplb-graph active on" in line]}
 
 
-def run_in_pairs(runs: dict[str, list[str]], workdir: Path, refused: set[str] = frozenset()) -> dict[str, dict]:
-    """Two engines at a time, one per core of these machines; the ranks of one DP engine together."""
-    results = {}
-    names = [name for name in runs if name not in MULTI_PROCESS["dp2"]]
-    batches = [names[start : start + 2] for start in range(0, len(names), 2)]
-    for batch in [*batches, MULTI_PROCESS["dp2"]]:
-        processes = {name: launch(runs[name], workdir) for name in batch if name in runs}
-        results.update({name: result_of(process, name, refused) for name, process in processes.items()})
+def run_two_at_a_time(runs: dict[str, list[str]], workdir: Path, refused: set[str] = frozenset(),
+                      after: dict[str, str] | None = None,
+                      when_done: Callable[[str], None] | None = None) -> dict[str, dict]:
+    """Two engines at a time, one per core of these machines, the next started as soon as one ends
+    (a run named in ``after`` once the run it names, earlier in ``runs``, has ended; ``when_done``
+    is called with each name as it ends, before what waits on it starts); the ranks of one DP
+    engine together, alone, last."""
+    after = after or {}
+    results, futures = {}, {}
+
+    def run(name: str) -> None:
+        if name in after:
+            futures[after[name]].result()  # submitted earlier: running or done (the pool is first in, first out)
+        results[name] = result_of(launch(runs[name], workdir), name, refused)
+        if when_done is not None:
+            when_done(name)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for name in runs:
+            if name not in MULTI_PROCESS["dp2"]:
+                assert name not in after or after[name] in futures, f"{name} waits on a later run"
+                futures[name] = pool.submit(run, name)
+    for future in futures.values():
+        future.result()  # the first failure, named
+    processes = {name: launch(runs[name], workdir) for name in MULTI_PROCESS["dp2"] if name in runs}
+    results.update({name: result_of(process, name, refused) for name, process in processes.items()})
     return results
 
 
@@ -96,11 +116,15 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 
     workdir = tmp_path_factory.mktemp("engine")
     placement = workdir / "placement.json"
-    results = run_in_pairs(filled(RUNS, port=str(free_port()), placement=str(placement)), workdir)
-    results["kept_placement"] = json.loads(placement.read_text())  # what tp2_compiled_on left at its end
-    results.update(run_in_pairs(filled(RESTARTS, placement=str(placement)), workdir, REFUSED))
-    results["placement_after_restart"] = json.loads(placement.read_text())
-    return results
+    kept = {}
+
+    def keep(name: str) -> None:
+        if name == "tp2_compiled_on":  # what it left at its end, before a restart rewrites it
+            kept["kept_placement"] = json.loads(placement.read_text())
+
+    results = run_two_at_a_time(filled({**RUNS, **RESTARTS}, port=str(free_port()), placement=str(placement)),
+                                workdir, REFUSED, dict.fromkeys(RESTARTS, "tp2_compiled_on"), keep)
+    return {**results, **kept, "placement_after_restart": json.loads(placement.read_text())}
 
 
 def test_greedy_tokens_are_identical_with_eplb_on_and_off(runs):

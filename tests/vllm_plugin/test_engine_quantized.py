@@ -18,7 +18,6 @@ move is shown by the view (what the kernel reads is what upstream moves), not by
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from tests.vllm_plugin.test_engine import (
     expert_digests,
     filled,
     placements_of,
-    run_in_pairs,
+    run_two_at_a_time,
     slots_hold,
 )
 
@@ -60,7 +59,7 @@ RUNS = {
     "checkpoint_on_scales_left_behind": ["--eplb", "on", "--weights", "fp8-checkpoint", "--hide-scales-from-upstream",
                                          "--no-derived-moves", *COMPILED],
 }
-# started once every run above has ended, from the placement int4_tp2_on kept
+# started once int4_tp2_on has ended, from the placement it kept
 RESTARTS = {"int4_tp2_restored": RUNS["int4_tp2_on"]}
 BLOCK_SCALES = ["w13_weight_scale_inv", "w2_weight_scale_inv"]
 FP8_READS = {"w13_weight": "w13_weight", "w2_weight": "w2_weight", "w1_scale": BLOCK_SCALES[0], "w2_scale": BLOCK_SCALES[1]}
@@ -72,12 +71,17 @@ INT4_READS = {"w13_weight": "w13_weight_packed", "w2_weight": "w2_weight_packed"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     workdir = tmp_path_factory.mktemp("engine_fp8")
-    placement = str(workdir / "placement.json")
-    static_placement = workdir / "static_placement.json"
-    results = run_in_pairs(filled(RUNS, placement=placement, static_placement=str(static_placement)), workdir)
-    results["kept_placement"] = json.loads(Path(placement).read_text())
-    results["static_placement"] = json.loads(static_placement.read_text())
-    return {**results, **run_in_pairs(filled(RESTARTS, placement=placement), workdir)}
+    placement, static_placement = workdir / "placement.json", workdir / "static_placement.json"
+    kept = {}
+
+    def keep(name: str) -> None:
+        if name == "int4_tp2_on":  # what it left at its end, before the restart rewrites it
+            kept["kept_placement"] = json.loads(placement.read_text())
+
+    results = run_two_at_a_time(filled({**RUNS, **RESTARTS}, placement=str(placement),
+                                       static_placement=str(static_placement)),
+                                workdir, after=dict.fromkeys(RESTARTS, "int4_tp2_on"), when_done=keep)
+    return {**results, **kept, "static_placement": json.loads(static_placement.read_text())}
 
 
 @pytest.mark.parametrize("weights", ["online", "checkpoint", "int4"])
