@@ -57,6 +57,7 @@ def crash_while_writing(path: str, where: str) -> None:
     save(path, record(shift=1))
 
 
+@pytest.mark.launches  # a writer process
 @pytest.mark.parametrize("where", ["rename", "write"])
 def test_a_crash_mid_write_leaves_the_previous_file_intact(tmp_path, where):
     path = tmp_path / "placement.json"
