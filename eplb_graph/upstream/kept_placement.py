@@ -66,21 +66,21 @@ class PlacementKeeper:
         self.written_by = written_by
         self.restored: PlacementRecord | None = None
         self.submitted_after = 0  # rearrangements finished when the last record was handed to the writer
-        # upstream's last_expert_load is replaced when the next rearrangement starts, which may be
-        # the step that finishes this one: each window is taken when its rearrangement starts
+        # upstream assigns last_expert_load anew when a rearrangement starts, which may be the step
+        # that finishes the previous one: each window is taken when its rearrangement starts
         self.window_in_flight: torch.Tensor | None = None
+        self.window_source: torch.Tensor | None = None  # upstream's tensor it was copied from (a new one per start)
         self.committed_window: torch.Tensor | None = None
-        self.was_in_flight, self.finished_seen = False, 0
-        self.writer = None
-        if ep_rank == 0:  # one writer per EP group: only its directory must take the file
-            check_writable(path)
-            self.writer = PlacementWriter(self.path)
+        # one writer per EP group: only its directory must take the file (checked in read)
+        self.writer = PlacementWriter(self.path) if ep_rank == 0 else None
 
     def read(self) -> tuple[str, object]:
-        """EP rank 0's finding: the file absent, refused (why), or ready (the record)."""
-        if not self.path.exists():
-            return ABSENT, None
+        """EP rank 0's finding: the file absent, refused (why: also a directory that cannot take
+        it), or ready (the record)."""
         try:
+            check_writable(self.path)
+            if not self.path.exists():
+                return ABSENT, None
             record = load(self.path)
             check_fits(record, self.identity, self.path)
         except Exception as error:  # noqa: BLE001  (whatever the file makes us raise, every rank must hear)
@@ -94,13 +94,13 @@ class PlacementKeeper:
         if status == ABSENT:
             return None
         model_state = next(iter(eplb_state.model_states.values()))  # the served model's (a drafter's after it)
-        problem = found if status == REFUSED else ""
+        problem = found if status == REFUSED and self.ep_rank == 0 else ""  # rank 0's finding, named once
         if status == READY:
             try:  # this rank's own identity and tables
                 check_fits(found, self.identity, self.path)
                 binding.check_placements(model_state, found.physical_to_logical)
-            except ValueError as error:
-                problem = str(error)
+            except Exception as error:  # noqa: BLE001  (raised alone, it would leave the others in the gather)
+                problem = f"{type(error).__name__}: {error}" if not isinstance(error, ValueError) else str(error)
         error = refusal(gather(problem, group))
         if error is not None:
             raise error
@@ -124,9 +124,9 @@ class PlacementKeeper:
             self.submitted_after = rearrangements_finished
             self.committed_window = self.window_in_flight
             self.writer.submit(self.snapshot(model_state, rearrangements_finished, self.committed_window))
-        if in_flight and (not self.was_in_flight or rearrangements_finished > self.finished_seen):
+        if in_flight and model_state.last_expert_load is not self.window_source:  # upstream started one
+            self.window_source = model_state.last_expert_load
             self.window_in_flight = model_state.last_expert_load.detach().cpu().double().clone()  # [L, N]
-        self.was_in_flight, self.finished_seen = in_flight, rearrangements_finished
 
     def abandon(self) -> None:
         """Start failed: the writer ends, and the file stays as it was."""

@@ -167,13 +167,13 @@ def create_engine_config_with_eplb(upstream_create, engine_args, *args, **kwargs
 
     from .kept_placement import check_at_engine_start
 
-    try:
-        check_at_engine_start(config, os.environ)  # EPLB_GRAPH_PLACEMENT_FILE
+    usage_context = kwargs.get("usage_context", args[0] if args else None)
+    headless = kwargs.get("headless", args[1] if len(args) > 1 else False)  # a node with engines and no API server
+    try:  # EPLB_GRAPH_PLACEMENT_FILE: a headless node's workers are not EP rank 0, which alone reads it
+        check_at_engine_start(config, os.environ, check_file=not headless)
     except PlacementFileError as error:
         raise EplbConfigError(f"eplb-graph cannot serve this EPLB request:\n  {error}") from None
     install_pass(config.compilation_config)
-    usage_context = kwargs.get("usage_context", args[0] if args else None)
-    headless = kwargs.get("headless", args[1] if len(args) > 1 else False)  # a node with engines and no API server
     if getattr(usage_context, "name", None) == "OPENAI_API_SERVER" and not headless:  # its /metrics serves them
         from .metrics_export import export_to_server
 

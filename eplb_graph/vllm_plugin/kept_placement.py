@@ -52,10 +52,11 @@ def vllm_identity(model_config: ModelConfig, ep_size: int, environ: Mapping[str,
     return PlacementIdentity(model_config.architecture, hashed, *counts, ep_size, model_config.quantization or "none")
 
 
-def check_at_engine_start(config: VllmConfig, environ: MutableMapping[str, str]) -> None:
+def check_at_engine_start(config: VllmConfig, environ: MutableMapping[str, str], *, check_file: bool = True) -> None:
     """In the frontend, before any worker starts: the file's directory is writable, and a file
     there fits this model, EP size and quantization (``PlacementFileError`` names what differs);
-    the workers get the config hash checked here."""
+    the workers get the config hash checked here. ``check_file`` False (a headless node): the
+    hash only; EP rank 0, which alone reads and writes the file, runs elsewhere."""
     path = placement_path(environ)
     if path is None:
         return
@@ -64,8 +65,9 @@ def check_at_engine_start(config: VllmConfig, environ: MutableMapping[str, str])
         raise PlacementFileError(f"{PLACEMENT_FILE} keeps one EP group's placement; pipeline parallel "
                                  f"({parallel.pipeline_parallel_size} stages) has one EP group per stage")
     environ[CONFIG_HASH] = config_hash(config.model_config.hf_config)
-    ep_size = parallel.world_size_across_dp // parallel.pipeline_parallel_size
-    check_start_file(path, vllm_identity(config.model_config, ep_size, environ))
+    if check_file:
+        ep_size = parallel.world_size_across_dp // parallel.pipeline_parallel_size
+        check_start_file(path, vllm_identity(config.model_config, ep_size, environ))
 
 
 def start(worker: VllmEplbWorker, environ: Mapping[str, str]) -> PlacementKeeper | None:

@@ -74,11 +74,17 @@ def test_a_file_that_does_not_fit_is_refused_before_anything_moves(tmp_path, ide
     assert load(path).rearrangements == 5  # nothing moved, nothing written
 
 
-def test_only_the_writer_needs_a_directory_it_can_write(tmp_path):
+def test_only_rank_0_reads_and_a_directory_it_cannot_write_to_is_its_refusal(tmp_path):
+    """Its finding travels to every rank (here, one) and is raised there, named once."""
     missing = tmp_path / "missing" / "p.json"
-    assert PlacementKeeper(missing, IDENTITY, ep_rank=1, written_by="vllm").writer is None
-    with pytest.raises(PlacementFileError, match="does not exist"):
-        PlacementKeeper(missing, IDENTITY, ep_rank=0, written_by="vllm")
+    follower = PlacementKeeper(missing, IDENTITY, ep_rank=1, written_by="vllm")
+    assert follower.writer is None
+    keeper = PlacementKeeper(missing, IDENTITY, ep_rank=0, written_by="vllm")
+    status, why = keeper.read()
+    assert status == "refused" and "does not exist" in why
+    with pytest.raises(PlacementFileError, match=r"^EP rank 0: placement file .* does not exist$"):
+        keeper.restore(FakeBinding(), eplb_state(), None)
+    keeper.abandon()
 
 
 def test_rank_0_writes_each_finished_rearrangement_with_the_window_it_started_from(tmp_path):

@@ -184,8 +184,9 @@ def test_an_adaptation_upstream_broke_is_refused_at_engine_start_by_name(model_d
 
 def test_a_placement_file_that_cannot_serve_is_refused_at_engine_start_naming_why(model_dir, tmp_path, monkeypatch):
     """EPLB_GRAPH_PLACEMENT_FILE, checked in the frontend before any worker starts: a file kept for
-    another EP size, another model, or one that is corrupt; a directory that cannot hold it. The layer
-    and slot counts are checked by the workers (test_engine.py)."""
+    another EP size, another model, or one that is corrupt; a directory that cannot hold it (not on a
+    headless node: EP rank 0 alone reads and writes it). The layer and slot counts are checked by the
+    workers (test_engine.py)."""
     from eplb_graph.placement import initial_placement
     from eplb_graph.placement_file import PlacementRecord, save
     from eplb_graph.vllm_plugin.kept_placement import CONFIG_HASH, check_at_engine_start, vllm_identity
@@ -215,6 +216,7 @@ def test_a_placement_file_that_cannot_serve_is_refused_at_engine_start_naming_wh
     monkeypatch.setenv("EPLB_GRAPH_PLACEMENT_FILE", str(tmp_path / "missing" / "placement.json"))
     with pytest.raises(EplbConfigError, match="directory .*missing does not exist"):
         eplb_args(model_dir).create_engine_config()
+    eplb_args(model_dir).create_engine_config(headless=True)  # a node without EP rank 0 neither reads nor writes it
     assert not engine_args(model_dir).create_engine_config().parallel_config.enable_eplb  # EPLB off reads nothing
     staged = copy.copy(config)  # one EP group per pipeline stage: which would the file be?
     staged.parallel_config = copy.copy(config.parallel_config)
