@@ -24,14 +24,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_vllm_eplb import BALANCEDNESS, add_request_arguments, add_skewed_checkpoint_arguments, skewed_checkpoint
+from bench_vllm_eplb import (
+    BALANCEDNESS,
+    add_request_arguments,
+    add_skewed_checkpoint_arguments,
+    skewed_checkpoint,
+    write_report,
+)
 
 MEASURE_START = "BENCH_MEASURE_START"
 
@@ -129,14 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         for arm in ("cold", "restored"):
             runs.append({"round": round_, **launch_arm(arm, model, placement_file, args)})
             print(f"round {round_} {arm}: window balancedness {runs[-1]['windows']}", flush=True)
-    report = {
-        "benchmark": "bench_kept_placement", "layout": "tp2", **summarize(runs, args.windows),
-        "config": {k: v for k, v in vars(args).items() if k not in ("out", "arm", "model", "placement_file")},
-        "runs": runs, "machine": f"{os.cpu_count()} cores, {platform.machine()}",
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in list(report)[:9]}, indent=2))
+    write_report(args, "bench_kept_placement", summarize(runs, args.windows), runs,
+                 ("out", "arm", "model", "placement_file"))
     return 0
 
 
