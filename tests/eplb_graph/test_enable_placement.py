@@ -10,7 +10,7 @@ import torch
 import eplb_graph
 from eplb_graph.adapter_base import ENABLED_MARK
 from eplb_graph.models.hf import build_tiny_hf_model
-from eplb_graph.placement_file import PlacementFileError, load
+from eplb_graph.placement_file import PlacementFileError, config_hash, load
 
 TOKENS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -52,7 +52,7 @@ def test_the_file_holds_the_documented_fields(kept):
     _, handle, path = kept
     document = json.loads(path.read_text())
     assert document["format"] == "eplb-graph placement" and document["version"] == 1
-    assert document["identity"] == {"architecture": "Qwen3MoeForCausalLM", "config_hash": document["identity"]["config_hash"],
+    assert document["identity"] == {"architecture": "Qwen3MoeForCausalLM", "config_hash": config_hash(handle.model.config),
                                     "num_layers": 2, "num_logical_experts": 8, "num_physical_experts": 10, "ep_size": 1,
                                     "quantization": "none"}
     assert document["written_by"] == "enable" and document["rearrangements"] == 1
