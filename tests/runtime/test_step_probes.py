@@ -34,6 +34,7 @@ class Worker:
         self.thread.join()
 
 
+@pytest.mark.alone  # another process on the cores stretches the spins and the GIL waits
 def test_the_phase_clock_counts_its_own_threads_calls_only_and_resets_when_taken():
     clock = PhaseClock()
     timed = clock.wrap("work", lambda x: spin(x) or x)
@@ -49,6 +50,7 @@ def test_the_phase_clock_counts_its_own_threads_calls_only_and_resets_when_taken
     assert clock.take() == {}
 
 
+@pytest.mark.alone  # another process on the cores stretches the spins and the GIL waits
 def test_the_cpu_clock_of_a_busy_thread_runs_and_a_sleeping_ones_does_not():
     busy, idle = Worker(busy=True), Worker(busy=False)
     try:
@@ -63,6 +65,7 @@ def test_the_cpu_clock_of_a_busy_thread_runs_and_a_sleeping_ones_does_not():
         thread_cpu_clock(threading.Thread(target=lambda: None))
 
 
+@pytest.mark.alone  # another process on the cores stretches the spins and the GIL waits
 def test_the_gil_probe_bounds_a_python_busy_threads_hold_and_a_sleeping_ones_by_nothing():
     busy, idle = Worker(busy=True), Worker(busy=False)
     probe = GilProbe({"busy": busy.thread, "idle": idle.thread}, interval_s=0.001).start()

@@ -41,6 +41,7 @@ def test_a_run_fails_on_anything_lost_twice_wrong_or_late():
     assert chaos_failures({**clean, "members_reported": 0}) == ["no member reported at the end"]
 
 
+@pytest.mark.alone  # hangs are detected within bounds in seconds: a starved member would look hung
 @pytest.mark.launches
 def test_one_seed_of_chaos_under_traffic_loses_and_duplicates_nothing():
     server = ElasticServer(RunConfig(mode="compiled", backend="aot_eager", ranks=2), 4, deadline_s=120, hang_s=5.0,

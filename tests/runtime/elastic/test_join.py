@@ -11,6 +11,7 @@ from eplb_graph.runtime.config import RunConfig
 from eplb_graph.runtime.elastic.server import ElasticServer
 
 
+@pytest.mark.alone  # hangs are detected within bounds in seconds: a starved member would look hung
 @pytest.mark.launches
 def test_a_member_joined_from_outside_serves_after_a_resize_and_is_fenced_like_any_other():
     server = ElasticServer(RunConfig(mode="eager", ranks=2), 3, spares=0, deadline_s=120, hang_s=5.0).start()
