@@ -1,6 +1,7 @@
 """One vLLM engine run with the plugin installed; prints one JSON line (run as a script).
 
-Used by test_engine.py: each engine start gets its own process (vLLM keeps global state).
+Used by test_engine.py: each engine start gets its own process (vLLM keeps global state), forked
+by engine_server.py from one that imported vLLM once; run as a script it works alone too.
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the worker's EPLB
 state can be read directly after generation (vLLM's default separate engine-core process is the
 OpenAI server's: test_server.py).

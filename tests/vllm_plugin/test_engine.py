@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from tests.vllm_plugin.engine_server import EngineServer
+
 pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
 
 pytest.importorskip("vllm")
 
-ENGINE_RUN = Path(__file__).with_name("engine_run.py")
 REPO_ROOT = Path(__file__).parents[2]
+RUN_TIMEOUT_S = 600
 RUNS = {
     "compiled_off": ["--eplb", "off", "--mode", "compiled"],
     "compiled_on": ["--eplb", "on", "--mode", "compiled"],
@@ -51,24 +51,19 @@ MULTI_PROCESS = {"tp2_compiled": ["tp2_compiled_on"], "tp2_eager": ["tp2_eager_o
 INITIAL_PLACEMENT = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]  # upstream's: logical ids, then round-robin
 
 
-def launch(args: list[str], workdir: Path) -> subprocess.Popen:
+def engine_environment() -> dict[str, str]:
     # No compile caches: a cache hit serves the graph our pass built earlier without running
     # the pass again (correct, and caught by the runtime check), but here the pass must run.
-    env = {**os.environ, "VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-           "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen(
-        [sys.executable, str(ENGINE_RUN), *args], cwd=workdir, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-    )
+    return {**os.environ, "VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+            "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def result_of(process: subprocess.Popen, name: str, refused: set[str] = frozenset()) -> dict:
-    output, _ = process.communicate(timeout=600)
+def result_of(returncode: int, output: str, name: str, refused: set[str] = frozenset()) -> dict:
     lines = [line for line in output.splitlines() if line.startswith("ENGINE_RUN_RESULT ")]
     if name in refused:
-        return {"returncode": process.returncode, "output": output, "served": bool(lines)}
-    assert process.returncode == 0 and lines, f"{name} failed:\n{output[-6000:]}"
+        return {"returncode": returncode, "output": output, "served": bool(lines)}
+    assert returncode == 0 and lines, f"{name} failed:\n{output[-6000:]}"
     # upstream's own log line, from whichever process ran the worker
     return {**json.loads(lines[-1].split(" ", 1)[1]), "upstream_rearrangements_logged": output.count(
         "Rearranging experts (async mode) ..."),
@@ -81,26 +76,32 @@ def run_two_at_a_time(runs: dict[str, list[str]], workdir: Path, refused: set[st
     """Two engines at a time, one per core of these machines, the next started as soon as one ends
     (a run named in ``after`` once the run it names, earlier in ``runs``, has ended; ``when_done``
     is called with each name as it ends, before what waits on it starts); the ranks of one DP
-    engine together, alone, last."""
+    engine together, alone, last. Every engine is a process of its own, forked from one that
+    imported vLLM once (engine_server.py)."""
     after = after or {}
     results, futures = {}, {}
+    server = EngineServer(engine_environment(), workdir)
 
     def run(name: str) -> None:
         if name in after:
             futures[after[name]].result()  # submitted earlier: running or done (the pool is first in, first out)
-        results[name] = result_of(launch(runs[name], workdir), name, refused)
+        results[name] = result_of(*server.run(name, runs[name], RUN_TIMEOUT_S), name, refused)
         if when_done is not None:
             when_done(name)
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for name in runs:
-            if name not in MULTI_PROCESS["dp2"]:
-                assert name not in after or after[name] in futures, f"{name} waits on a later run"
-                futures[name] = pool.submit(run, name)
-    for future in futures.values():
-        future.result()  # the first failure, named
-    processes = {name: launch(runs[name], workdir) for name in MULTI_PROCESS["dp2"] if name in runs}
-    results.update({name: result_of(process, name, refused) for name, process in processes.items()})
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for name in runs:
+                if name not in MULTI_PROCESS["dp2"]:
+                    assert name not in after or after[name] in futures, f"{name} waits on a later run"
+                    futures[name] = pool.submit(run, name)
+        for future in futures.values():
+            future.result()  # the first failure, named
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for future in [pool.submit(run, name) for name in MULTI_PROCESS["dp2"] if name in runs]:
+                future.result()
+    finally:
+        server.close()
     return results
 
 
