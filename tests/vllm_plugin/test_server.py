@@ -36,15 +36,27 @@ REPO_ROOT = Path(__file__).parents[2]
 FP8_WRITER, INT4_WRITER = "write_tiny_qwen3_moe_fp8_checkpoint", "write_tiny_qwen3_moe_int4_checkpoint"
 UPSTREAM_SERVER, LIFTED_SERVER = "vllm.entrypoints.openai.api_server", "tests.vllm_plugin.lifted_api_server"
 EPLB_FLAGS = ("--enable-expert-parallel", "--enable-eplb", "--eplb-config")
+BIND = "VLLM_CPU_OMP_THREADS_BIND"
 START_TIMEOUT_S = 480
 # No compile caches: a cache hit would serve a graph without running the pass (see test_engine.py).
 NO_CACHES = {"VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free ports, held together while chosen: two chosen one after the other can be the
+    same port, when nothing has bound the first yet."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def server_argv(command: str, *, eplb: bool) -> tuple[dict[str, str], list[str]]:
@@ -76,8 +88,9 @@ def expand(argv: list[str], values: dict[str, str]) -> list[str]:
     return out
 
 
-def start_server(command: str, model_dir: Path, log: Path, *, eplb: bool, env_extra: dict | None = None) -> SimpleNamespace:
-    port = str(free_port())
+def start_server(command: str, model_dir: Path, log: Path, port: int, *, eplb: bool,
+                 env_extra: dict | None = None) -> SimpleNamespace:
+    port = str(port)
     env_assignments, argv = server_argv(command, eplb=eplb)
     env = {**os.environ, **NO_CACHES, **env_assignments, **(env_extra or {}), "MODEL_DIR": str(model_dir), "PORT": port}
     handle = log.open("w")
@@ -153,12 +166,21 @@ def write_quickstart_checkpoint(write_checkpoint: str, section: str, workdir: Pa
         sys.argv = argv
     return model_dir
 
+def core_of(command: str, index: int) -> dict[str, str]:
+    """Where the index-th of two servers side by side runs its one worker: vLLM's automatic CPU
+    binding puts every single-worker server's on core 0, so the second goes to core 1 (a command
+    that binds its workers itself keeps its binding)."""
+    return {} if index == 0 or BIND in command else {BIND: "1"}
+
+
 def serve_and_query(commands: dict[str, tuple[str, bool]], model_dir: Path, workdir: Path, curl: str,
                     env_extra: dict | None = None) -> dict:
     """Each (server command, EPLB on) started side by side, queried as the quickstart does and with
     three longer prompts, stopped; its answers and its log."""
-    started = {name: start_server(command, model_dir, workdir / f"{name}.log", eplb=eplb, env_extra=env_extra)
-               for name, (command, eplb) in commands.items()}
+    ports = free_ports(len(commands))
+    started = {name: start_server(command, model_dir, workdir / f"{name}.log", ports[index], eplb=eplb,
+                                  env_extra={**(env_extra or {}), **core_of(command, index)})
+               for index, (name, (command, eplb)) in enumerate(commands.items())}
     try:
         for server in started.values():
             wait_until_ready(server)
@@ -170,6 +192,8 @@ def serve_and_query(commands: dict[str, tuple[str, bool]], model_dir: Path, work
             with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=60) as response:
                 scraped = response.read().decode()
             results[name] = {"quickstart": json.loads(quick.stdout), "longer": longer, "metrics": scraped}
+        for name, server in started.items():  # each answer came from the server started for it, still up
+            assert server.process.poll() is None, f"{name} server exited:\n{server.log.read_text()[-6000:]}"
     finally:
         for server in started.values():
             stop(server)
