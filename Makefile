@@ -24,13 +24,15 @@ run: $(STAMP)
 # Two workers, one per core of the machines this runs on (pyproject.toml: each file to one of
 # them); then the few tests that measure thread scheduling, with the machine to themselves
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -n 2 -m "not alone" --durations=25 tests
-	$(VENV)/bin/pytest -q -m alone --durations=10 tests
+	$(VENV)/bin/pytest -q -n 2 -m "not alone" --durations=25 tests; parallel=$$?; \
+	$(VENV)/bin/pytest -q -m alone --durations=10 tests; alone=$$?; \
+	test $$parallel -eq 0 && exit $$alone || exit $$parallel
 
 # A developer's inner loop: everything but the tests that start rank processes or a vLLM engine
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -q -n 2 -m "not launches and not alone" tests
-	$(VENV)/bin/pytest -q -m "alone and not launches" tests
+	$(VENV)/bin/pytest -q -n 2 -m "not launches and not alone" tests; parallel=$$?; \
+	$(VENV)/bin/pytest -q -m "alone and not launches" tests; alone=$$?; \
+	test $$parallel -eq 0 && exit $$alone || exit $$parallel
 
 # Every benchmark, JSON under $(OUT)/bench; `python benchmarks/results.py record $(OUT)/bench` keeps
 # the run and `python benchmarks/results.py render` writes benchmarks/RESULTS.md and the README table

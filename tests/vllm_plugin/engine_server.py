@@ -14,9 +14,11 @@ Protocol (run as a script): one JSON request per line on stdin, ``{"name", "argv
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import subprocess
@@ -26,12 +28,13 @@ import traceback
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).parents[2]
+ENGINE_RUN = Path(__file__).with_name("engine_run.py")
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def serve() -> int:
     importlib.import_module("vllm.entrypoints.llm")  # the import each run saves
-
-    from tests.vllm_plugin import engine_run
+    importlib.import_module("tests.vllm_plugin.engine_run")  # and what the script imports beside it
 
     children: dict[int, tuple[str, int]] = {}  # pidfd -> (name, pid)
     stdin, pending = sys.stdin.fileno(), b""
@@ -56,26 +59,34 @@ def serve() -> int:
             for line in lines:
                 request = json.loads(line)
                 pid = os.fork()
-                if pid == 0:
-                    os._exit(run_in_child(engine_run.main, request))
+                if pid == 0:  # leaves through the interpreter's own exit, as a fresh process would
+                    sys.exit(run_in_child(request))
+                try:
+                    os.setpgid(pid, pid)  # as the child does itself: whichever runs first
+                except OSError:  # the child is already past it, or gone
+                    pass
                 children[os.pidfd_open(pid)] = (request["name"], pid)
 
 
-def run_in_child(main, request: dict) -> int:
-    """engine_run.py's ``main`` in a forked child: its own process group (TP workers included, so a
-    stuck run can be killed whole), writing to its log, with the arguments it was given."""
+def run_in_child(request: dict) -> int:
+    """engine_run.py run as ``python engine_run.py ARGV`` would run it, in a forked child: its own
+    process group (TP workers included, so a stuck run can be killed whole), writing to its log,
+    ended if the server dies. It runs as ``__main__`` from its path, so the TP workers vLLM spawns
+    import it again, as they import a fresh process's script."""
     os.setpgid(0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.chdir(request["cwd"])
-    sys.argv = ["engine_run.py", *request["argv"]]
+    sys.argv = [str(ENGINE_RUN), *request["argv"]]
     try:
-        code = main()
+        runpy.run_path(str(ENGINE_RUN), run_name="__main__")
+        code = 0
     except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else 1
+        code = 0 if done.code is None else done.code if isinstance(done.code, int) else 1
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -96,6 +107,7 @@ class EngineServer:
         self._lock = threading.Lock()
         self._ended: dict[str, int] = {}
         self._changed = threading.Condition(self._lock)
+        self._server_gone = False  # its stdout ended: no run ends after that
         self._reader = threading.Thread(target=self._read, daemon=True, name="engine-server-reader")
         self._reader.start()
 
@@ -106,12 +118,12 @@ class EngineServer:
             self.process.stdin.write(json.dumps({"name": name, "argv": argv, "log": str(log),
                                                  "cwd": str(self.workdir)}) + "\n")
             self.process.stdin.flush()
-            if not self._changed.wait_for(lambda: name in self._ended or self.process.poll() is not None,
+            if not self._changed.wait_for(lambda: name in self._ended or self._server_gone,
                                           timeout_s):
                 self.process.stdin.close()  # the server kills every run still going
                 raise TimeoutError(f"engine run {name} not done in {timeout_s:.0f} s:\n{log.read_text()[-6000:]}")
             if name not in self._ended:
-                raise RuntimeError(f"the engine server exited ({self.process.returncode}) during {name}: "
+                raise RuntimeError(f"the engine server exited ({self.process.wait()}) during {name}: "
                                    f"{(self.workdir / 'engine_server.log').read_text()[-3000:]}")
             return self._ended.pop(name), log.read_text()
 
@@ -122,6 +134,7 @@ class EngineServer:
                 self._ended[ended["name"]] = ended["returncode"]
                 self._changed.notify_all()
         with self._changed:
+            self._server_gone = True
             self._changed.notify_all()
 
     def close(self) -> None:
