@@ -21,8 +21,8 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/eplb-graph run --out $(OUT)/run
 
-# Two workers, one per core of the machines this runs on (pyproject.toml: each file to one of
-# them); then the few tests that measure thread scheduling, with the machine to themselves
+# Two workers, one per core of the machines this runs on (tests/conftest.py: each file one unit of
+# work); then the tests marked alone (bounds in time), with the machine to themselves
 test: $(STAMP)
 	$(VENV)/bin/pytest -q -n 2 -m "not alone" --durations=25 tests; parallel=$$?; \
 	$(VENV)/bin/pytest -q -m alone --durations=10 tests; alone=$$?; \
