@@ -8,8 +8,8 @@ process would; the exception is what torch reads at import (``TORCHINDUCTOR_*`` 
 for every run by the environment the server starts with.
 
 Protocol (run as a script): one JSON request per line on stdin, ``{"name", "argv", "log",
-"cwd"}``; the server forks, the child writes everything to ``log`` and runs engine_run.py's
-``main`` with ``argv``; one JSON line ``{"name", "returncode"}`` on stdout when that child ends.
+"cwd"}``; the server forks, the child writes everything to ``log`` and runs engine_run.py as
+its ``__main__`` with ``argv``; one JSON line ``{"name", "returncode"}`` on stdout when that child ends.
 """
 
 from __future__ import annotations
@@ -100,13 +100,13 @@ class EngineServer:
 
     def __init__(self, env: dict[str, str], workdir: Path) -> None:
         self.workdir = workdir
+        self._log = (workdir / "engine_server.log").open("w")
         self.process = subprocess.Popen(
             [sys.executable, __file__], env=env, cwd=workdir, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=(workdir / "engine_server.log").open("w"), text=True,
+            stderr=self._log, text=True,
         )
-        self._lock = threading.Lock()
         self._ended: dict[str, int] = {}
-        self._changed = threading.Condition(self._lock)
+        self._changed = threading.Condition()
         self._server_gone = False  # its stdout ended: no run ends after that
         self._reader = threading.Thread(target=self._read, daemon=True, name="engine-server-reader")
         self._reader.start()
@@ -114,12 +114,11 @@ class EngineServer:
     def run(self, name: str, argv: list[str], timeout_s: float) -> tuple[int, str]:
         """One engine run: its return code and everything it wrote."""
         log = self.workdir / f"{name}.log"
-        with self._lock:
+        with self._changed:
             self.process.stdin.write(json.dumps({"name": name, "argv": argv, "log": str(log),
                                                  "cwd": str(self.workdir)}) + "\n")
             self.process.stdin.flush()
-            if not self._changed.wait_for(lambda: name in self._ended or self._server_gone,
-                                          timeout_s):
+            if not self._changed.wait_for(lambda: name in self._ended or self._server_gone, timeout_s):
                 self.process.stdin.close()  # the server kills every run still going
                 raise TimeoutError(f"engine run {name} not done in {timeout_s:.0f} s:\n{log.read_text()[-6000:]}")
             if name not in self._ended:
@@ -142,6 +141,7 @@ class EngineServer:
             self.process.stdin.close()  # the server kills what still runs and exits
         self.process.wait(timeout=60)
         self._reader.join(timeout=60)
+        self._log.close()
 
 
 if __name__ == "__main__":
