@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.vllm_plugin.engine_server import EngineServer
+from tests.vllm_plugin.test_server import NO_CACHES
 
 pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
 
@@ -54,8 +55,7 @@ INITIAL_PLACEMENT = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]  # upstream's: logical 
 def engine_environment() -> dict[str, str]:
     # No compile caches: a cache hit serves the graph our pass built earlier without running
     # the pass again (correct, and caught by the runtime check), but here the pass must run.
-    return {**os.environ, "VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-            "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+    return {**os.environ, **NO_CACHES, "VLLM_CPU_KVCACHE_SPACE": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
 
 
@@ -113,7 +113,7 @@ def filled(runs: dict[str, list[str]], **values: str) -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
-    from tests.vllm_plugin.test_server import free_port
+    from eplb_graph.runtime.launch import free_port
 
     workdir = tmp_path_factory.mktemp("engine")
     placement = workdir / "placement.json"

@@ -42,10 +42,6 @@ START_TIMEOUT_S = 480
 NO_CACHES = {"VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
 
 
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
 def free_ports(count: int) -> list[int]:
     """Distinct free ports, held together while chosen: two chosen one after the other can be the
     same port, when nothing has bound the first yet."""
