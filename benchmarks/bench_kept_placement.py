@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm in ("cold", "restored"):
             runs.append({"round": round_, **launch_arm(arm, model, placement_file, args)})
             print(f"round {round_} {arm}: window balancedness {runs[-1]['windows']}", flush=True)
-    write_report(args, "bench_kept_placement", summarize(runs, args.windows), runs,
+    write_report(args, "bench_kept_placement", "tp2", summarize(runs, args.windows), runs,
                  ("out", "arm", "model", "placement_file"))
     return 0
 

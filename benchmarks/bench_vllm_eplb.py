@@ -255,14 +255,15 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(launch_arm(arm, model, args))
         print(f"{arm}: {runs[-1]['tokens_per_s']} tokens/s, balancedness {runs[-1]['balancedness']}, "
               f"expert share {runs[-1]['expert_share']}", flush=True)
-    write_report(args, "bench_vllm_eplb", summarize(runs, args.hot), runs, ("out", "arm", "model"))
+    write_report(args, "bench_vllm_eplb", args.layout, summarize(runs, args.hot), runs, ("out", "arm", "model"))
     return 0
 
 
-def write_report(args: argparse.Namespace, name: str, summary: dict, runs: list[dict], internal: tuple[str, ...]) -> None:
+def write_report(args: argparse.Namespace, name: str, layout: str, summary: dict, runs: list[dict],
+                 internal: tuple[str, ...]) -> None:
     """The JSON at ``--out`` (the summary, the config without the arms' internal flags, every run,
     the machine), and the summary on stdout."""
-    report = {"benchmark": name, "layout": "tp2", **summary,
+    report = {"benchmark": name, "layout": layout, **summary,
               "config": {k: v for k, v in vars(args).items() if k not in internal},
               "runs": runs, "machine": f"{os.cpu_count()} cores, {platform.machine()}"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
