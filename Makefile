@@ -22,17 +22,21 @@ run: $(STAMP)
 	$(VENV)/bin/eplb-graph run --out $(OUT)/run
 
 # Two workers, one per core of the machines this runs on (tests/conftest.py: each file one unit of
-# work); then the tests marked alone (bounds in time), with the machine to themselves
-test: $(STAMP)
-	$(VENV)/bin/pytest -q -n 2 -m "not alone" --durations=25 tests; parallel=$$?; \
-	$(VENV)/bin/pytest -q -m alone --durations=10 tests; alone=$$?; \
+# work); then the tests marked alone (bounds in time), with the machine to themselves. Both parts
+# run whatever the first gives; the first failure is the exit status.
+# $(1): the parallel part's markers, $(2): the alone part's, $(3): options of both
+define parallel_then_alone
+	$(VENV)/bin/pytest -q -n 2 -m "$(1)" $(3) tests; parallel=$$?; \
+	$(VENV)/bin/pytest -q -m "$(2)" $(3) tests; alone=$$?; \
 	test $$parallel -eq 0 && exit $$alone || exit $$parallel
+endef
+
+test: $(STAMP)
+	$(call parallel_then_alone,not alone,alone,--durations=25)
 
 # A developer's inner loop: everything but the tests that start rank processes or a vLLM engine
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -q -n 2 -m "not launches and not alone" tests; parallel=$$?; \
-	$(VENV)/bin/pytest -q -m "alone and not launches" tests; alone=$$?; \
-	test $$parallel -eq 0 && exit $$alone || exit $$parallel
+	$(call parallel_then_alone,not launches and not alone,alone and not launches,)
 
 # Every benchmark, JSON under $(OUT)/bench; `python benchmarks/results.py record $(OUT)/bench` keeps
 # the run and `python benchmarks/results.py render` writes benchmarks/RESULTS.md and the README table
