@@ -100,7 +100,7 @@ class PlacementKeeper:
                 check_fits(found, self.identity, self.path)
                 binding.check_placements(model_state, found.physical_to_logical)
             except Exception as error:  # noqa: BLE001  (raised alone, it would leave the others in the gather)
-                problem = f"{type(error).__name__}: {error}" if not isinstance(error, ValueError) else str(error)
+                problem = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
         error = refusal(gather(problem, group))
         if error is not None:
             raise error
