@@ -60,6 +60,9 @@ def test_a_kept_placement_is_moved_to_and_the_first_rearrangement_waits_a_full_i
 
 @pytest.mark.parametrize(("identity", "binding", "message"), [
     (PlacementIdentity("Model", "abc", 2, 4, 6, 4, "none"), FakeBinding(), "EP rank 0: .*ep_size is 2 in the file, 4 here"),
+    # the layer and slot counts of the built model (the config gate knows no layer count)
+    (PlacementIdentity("Model", "abc", 3, 4, 8, 2, "none"), FakeBinding(),
+     "EP rank 0: .*num_layers is 2 in the file, 3 here; num_physical_experts is 6 in the file, 8 here"),
     (IDENTITY, FakeBinding(max_replicas=1), "EP rank 0: more than max_replicas=1"),
 ])
 def test_a_file_that_does_not_fit_is_refused_before_anything_moves(tmp_path, identity, binding, message):

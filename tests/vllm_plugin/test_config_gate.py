@@ -184,9 +184,9 @@ def test_an_adaptation_upstream_broke_is_refused_at_engine_start_by_name(model_d
 
 def test_a_placement_file_that_cannot_serve_is_refused_at_engine_start_naming_why(model_dir, tmp_path, monkeypatch):
     """EPLB_GRAPH_PLACEMENT_FILE, checked in the frontend before any worker starts: a file kept for
-    another EP size, another model, or one that is corrupt; a directory that cannot hold it (not on a
-    headless node: EP rank 0 alone reads and writes it). The layer and slot counts are checked by the
-    workers (test_engine.py)."""
+    another EP size, another model, other expert or slot counts, or one that is corrupt; a directory
+    that cannot hold it (not on a headless node: EP rank 0 alone reads and writes it). The layer
+    count is checked by the workers (tests/upstream/test_kept_placement.py)."""
     from eplb_graph.placement import initial_placement
     from eplb_graph.placement_file import PlacementRecord, save
     from eplb_graph.vllm_plugin.kept_placement import CONFIG_HASH, check_at_engine_start, vllm_identity
@@ -200,16 +200,26 @@ def test_a_placement_file_that_cannot_serve_is_refused_at_engine_start_naming_wh
     eplb_args(model_dir).create_engine_config()  # no file yet: the engine will write it
     assert os.environ[CONFIG_HASH] == fits.config_hash  # what the workers will put in the file
 
+    def kept(identity):  # a file of that identity, its placement of that shape
+        redundant = identity.num_physical_experts - identity.num_logical_experts
+        placement = initial_placement(identity.num_logical_experts, redundant).repeat(identity.num_layers, 1)
+        save(path, PlacementRecord(identity, placement, None, 1, "vllm"))
+
     def refused(identity, message):
-        save(path, PlacementRecord(identity, initial_placement(8, 2).repeat(2, 1), None, 1, "vllm"))
+        kept(identity)
         with pytest.raises(EplbConfigError, match=message):
             eplb_args(model_dir).create_engine_config()
 
-    save(path, PlacementRecord(fits, initial_placement(8, 2).repeat(2, 1), None, 1, "vllm"))
+    kept(fits)
     eplb_args(model_dir).create_engine_config()  # fits
     refused(dataclasses.replace(fits, ep_size=2), "ep_size is 2 in the file, 1 here")
     refused(dataclasses.replace(fits, config_hash="0"), "config_hash is '0' in the file")
     refused(dataclasses.replace(fits, quantization="fp8"), "quantization is 'fp8' in the file, 'none' here")
+    refused(dataclasses.replace(fits, num_physical_experts=12), "num_physical_experts is 12 in the file, 10 here")
+    refused(dataclasses.replace(fits, num_logical_experts=6, num_physical_experts=8),
+            "num_logical_experts is 6 in the file, 8 here; num_physical_experts is 8 in the file, 10 here")
+    kept(dataclasses.replace(fits, num_layers=3))
+    eplb_args(model_dir).create_engine_config()  # the layer count is the built model's, checked by the workers
     path.write_text(path.read_text().replace('"written_by": "vllm"', '"written_by": "x"'))
     with pytest.raises(EplbConfigError, match="is corrupt: its checksum does not match"):
         eplb_args(model_dir).create_engine_config()

@@ -332,6 +332,9 @@ def test_a_restarted_engine_serves_from_the_kept_placement_with_every_slot_holdi
 
 
 def test_an_engine_of_another_layout_refuses_the_file_at_start_by_name(runs):
+    """By the config gate, before any worker process starts."""
     refused = runs["tp2_other_layout"]
     assert refused["returncode"] != 0 and not refused["served"]
+    assert "eplb-graph cannot serve this EPLB request:\n  placement file" in refused["output"]
     assert "num_physical_experts is 12 in the file, 10 here" in refused["output"]
+    assert "Starting to load model" not in refused["output"]  # what each worker logs first
