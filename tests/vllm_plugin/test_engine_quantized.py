@@ -48,19 +48,19 @@ RUNS = {
     "checkpoint_tp2_on": ["--eplb", "on", "--weights", "fp8-checkpoint", "--tp", "2", *COMPILED],
     "int4_tp2_on": ["--eplb", "on", "--weights", "int4-checkpoint", "--tp", "2", "--placement-file", "{placement}",
                     *COMPILED],
-    # the same engines never rebalancing: TP=2 all-reduces bfloat16 partial sums, so its tokens are
+    # the same engine never rebalancing: TP=2 all-reduces bfloat16 partial sums, so its tokens are
     # TP=2's own, not one process's (in float32 they agree: test_engine.py); EPLB must not change them
     "checkpoint_tp2_static": ["--eplb", "on", "--weights", "fp8-checkpoint", "--tp", "2", "--interval", "1000000",
-                              *COMPILED],
-    "int4_tp2_static": ["--eplb", "on", "--weights", "int4-checkpoint", "--tp", "2", "--interval", "1000000",
-                        "--placement-file", "{static_placement}", *COMPILED],
+                              "--placement-file", "{static_placement}", *COMPILED],
     "checkpoint_on_scales_hidden": ["--eplb", "on", "--weights", "fp8-checkpoint", "--hide-scales-from-upstream",
                                     *COMPILED],
     "checkpoint_on_scales_left_behind": ["--eplb", "on", "--weights", "fp8-checkpoint", "--hide-scales-from-upstream",
                                          "--no-derived-moves", *COMPILED],
 }
-# started once int4_tp2_on has ended, from the placement it kept
-RESTARTS = {"int4_tp2_restored": RUNS["int4_tp2_on"]}
+# started once int4_tp2_on has ended, from the placement it kept, never rebalancing: int4's TP=2
+# twin whose experts stay where the moves left them
+RESTARTS = {"int4_tp2_restored": [*RUNS["int4_tp2_on"], "--interval", "1000000"]}
+STATIC_TWINS = {"checkpoint": "checkpoint_tp2_static", "int4": "int4_tp2_restored"}
 BLOCK_SCALES = ["w13_weight_scale_inv", "w2_weight_scale_inv"]
 FP8_READS = {"w13_weight": "w13_weight", "w2_weight": "w2_weight", "w1_scale": BLOCK_SCALES[0], "w2_scale": BLOCK_SCALES[1]}
 # the blocked int4 weights, their scales and the zero points the method creates at load
@@ -136,7 +136,7 @@ def test_zero_recompiles_after_warm_up_when_quantized(runs):
 
 @pytest.mark.parametrize(("weights", "experts"), [("checkpoint", "CPUExpertsFp8"), ("int4", "CPUExpertsInt4")])
 def test_two_tp_workers_move_quantized_experts_between_them(runs, weights, experts):
-    run, static = runs[f"{weights}_tp2_on"], runs[f"{weights}_tp2_static"]
+    run, static = runs[f"{weights}_tp2_on"], runs[STATIC_TWINS[weights]]
     assert all(w["after"]["rearrangements_committed"] == 0 for w in static["workers"])
     assert run["tokens"] == static["tokens"]  # the experts moved, the tokens did not change
     assert run["tokens"][0][:8] == runs[f"{weights}_off"]["tokens"][0][:8]  # and they are the model's
@@ -158,14 +158,17 @@ def test_a_restarted_quantized_engine_starts_from_the_kept_placement_scales_and_
     assert kept["physical_to_logical"] == placements_of(runs["int4_tp2_on"]["workers"][0]["after"])
     expert_digest = expert_digests(runs["int4_tp2_on"]["workers"])  # packed weights, scales, zero points
     for worker in restored["workers"]:
-        before = worker["before"]
+        before, after = worker["before"], worker["after"]
         assert before["placements_restored"] == 1 and placements_of(before) == kept["physical_to_logical"]
-        assert slots_hold(before, expert_digest) and slots_hold(worker["after"], expert_digest)
-    assert restored["tokens"] == runs["int4_tp2_static"]["tokens"]
+        assert slots_hold(before, expert_digest) and slots_hold(after, expert_digest)
+        assert after["rearrangements_committed"] == 0 and placements_of(after) == kept["physical_to_logical"]
+    assert restored["tokens"] == runs["int4_tp2_on"]["tokens"]
 
 
 def test_an_engine_that_never_rearranged_writes_its_placement_at_shutdown(runs):
-    """No rearrangement committed, so only the runner's shutdown can have written it."""
+    """No rearrangement committed, and no file at its start, so only the runner's shutdown can
+    have written it."""
     static = runs["static_placement"]
     assert static["rearrangements"] == 0 and static["load_window"] is None
-    assert static["physical_to_logical"] == placements_of(runs["int4_tp2_static"]["workers"][0]["after"])
+    assert static["identity"]["quantization"] == "fp8" and static["identity"]["ep_size"] == 2
+    assert static["physical_to_logical"] == placements_of(runs["checkpoint_tp2_static"]["workers"][0]["after"])
