@@ -6,13 +6,14 @@ expert parallel over two worker processes: TP=2 (compiled and eager) and DP=2 (v
 data parallel, one process per rank, compiled), where experts move between the workers and each
 rank computes only the pairs routed to its own slots. Every multi-process run is compared with
 the one-process EPLB-off run. The compiled TP=2 run keeps its placement in a file
-(``EPLB_GRAPH_PLACEMENT_FILE``), and once it has ended, the same engine restarts from it and one
-built for another layout is refused by it. vLLM's default layout, the engine core in a process of its own where
+(``EPLB_GRAPH_PLACEMENT_FILE``), and once it has ended, the same engine restarts from it; one built
+for other slot counts is refused by the config gate, and a file kept for one more layer by the workers. vLLM's default layout, the engine core in a process of its own where
 the plugin loads again, is what the OpenAI server runs (test_server.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -20,7 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
+from eplb_graph.placement_file import load, save
 from tests.vllm_plugin.engine_server import EngineServer
 from tests.vllm_plugin.test_server import NO_CACHES
 
@@ -44,10 +47,12 @@ RUNS = {
 # started once tp2_compiled_on has ended, from the placement it kept
 RESTARTS = {
     "tp2_compiled_restored": RUNS["tp2_compiled_on"],
+    # other slot counts: refused by the config gate; another layer count: only the workers know it
     "tp2_other_layout": ["--eplb", "on", "--mode", "compiled", "--tp", "2", "--redundant", "2",
                          "--placement-file", "{placement}"],
+    "tp2_other_layers": ["--eplb", "on", "--mode", "compiled", "--tp", "2", "--placement-file", "{other_layers}"],
 }
-REFUSED = {"tp2_other_layout"}  # the engine must fail to start
+REFUSED = {"tp2_other_layout", "tp2_other_layers"}  # the engine must fail to start
 MULTI_PROCESS = {"tp2_compiled": ["tp2_compiled_on"], "tp2_eager": ["tp2_eager_on"], "dp2": ["dp2_rank0", "dp2_rank1"]}
 INITIAL_PLACEMENT = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]  # upstream's: logical ids, then round-robin
 
@@ -61,13 +66,15 @@ def engine_environment() -> dict[str, str]:
 
 def result_of(returncode: int, output: str, name: str, refused: set[str] = frozenset()) -> dict:
     lines = [line for line in output.splitlines() if line.startswith("ENGINE_RUN_RESULT ")]
+    workers_started = output.count("Starting to load model")  # what each worker logs first
     if name in refused:
-        return {"returncode": returncode, "output": output, "served": bool(lines)}
+        return {"returncode": returncode, "output": output, "served": bool(lines), "workers_started": workers_started}
     assert returncode == 0 and lines, f"{name} failed:\n{output[-6000:]}"
     # upstream's own log line, from whichever process ran the worker
     return {**json.loads(lines[-1].split(" ", 1)[1]), "upstream_rearrangements_logged": output.count(
         "Rearranging experts (async mode) ..."),
-        "active_lines": [line for line in output.splitlines() if "eplb-graph active on" in line]}
+        "active_lines": [line for line in output.splitlines() if "eplb-graph active on" in line],
+        "workers_started": workers_started}
 
 
 def run_two_at_a_time(runs: dict[str, list[str]], workdir: Path, refused: set[str] = frozenset(),
@@ -111,19 +118,30 @@ def filled(runs: dict[str, list[str]], **values: str) -> dict[str, list[str]]:
     return {name: [fill.get(arg, arg) for arg in args] for name, args in runs.items()}
 
 
+def write_with_one_more_layer(path: Path, out: Path) -> None:
+    """The placement file at ``path`` as a model with one more MoE layer would have kept it (a
+    whole, checksummed file that fits everything the config gate knows)."""
+    record = load(path)
+    placement = torch.cat([record.physical_to_logical, record.physical_to_logical[:1]])
+    identity = dataclasses.replace(record.identity, num_layers=record.identity.num_layers + 1)
+    save(out, dataclasses.replace(record, identity=identity, physical_to_logical=placement, load_window=None))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     from eplb_graph.runtime.launch import free_port
 
     workdir = tmp_path_factory.mktemp("engine")
-    placement = workdir / "placement.json"
+    placement, other_layers = workdir / "placement.json", workdir / "other_layers.json"
     kept = {}
 
     def keep(name: str) -> None:
         if name == "tp2_compiled_on":  # what it left at its end, before a restart rewrites it
             kept["kept_placement"] = json.loads(placement.read_text())
+            write_with_one_more_layer(placement, other_layers)
 
-    results = run_two_at_a_time(filled({**RUNS, **RESTARTS}, port=str(free_port()), placement=str(placement)),
+    results = run_two_at_a_time(filled({**RUNS, **RESTARTS}, port=str(free_port()), placement=str(placement),
+                                       other_layers=str(other_layers)),
                                 workdir, REFUSED, dict.fromkeys(RESTARTS, "tp2_compiled_on"), keep)
     return {**results, **kept, "placement_after_restart": json.loads(placement.read_text())}
 
@@ -332,9 +350,16 @@ def test_a_restarted_engine_serves_from_the_kept_placement_with_every_slot_holdi
 
 
 def test_an_engine_of_another_layout_refuses_the_file_at_start_by_name(runs):
-    """By the config gate, before any worker process starts."""
+    """Other slot counts: by the config gate, before any worker process starts. Another layer
+    count, which only the built model knows: by every worker, before anything moves."""
+    assert runs["tp2_compiled_restored"]["workers_started"] == 2  # the count below is of real log lines
     refused = runs["tp2_other_layout"]
-    assert refused["returncode"] != 0 and not refused["served"]
+    assert refused["returncode"] != 0 and not refused["served"] and refused["workers_started"] == 0
     assert "eplb-graph cannot serve this EPLB request:\n  placement file" in refused["output"]
     assert "num_physical_experts is 12 in the file, 10 here" in refused["output"]
-    assert "Starting to load model" not in refused["output"]  # what each worker logs first
+    refused = runs["tp2_other_layers"]
+    assert refused["returncode"] != 0 and not refused["served"] and refused["workers_started"] == 2
+    errors = [line for line in refused["output"].splitlines() if "PlacementFileError: EP rank 0: placement file" in line]
+    # each worker raises the error both agreed on (EP rank 0 read the file)
+    assert {rank for rank in (0, 1) if any(f"(Worker_TP{rank}_EP{rank} " in line for line in errors)} == {0, 1}
+    assert "does not fit this model and layout: num_layers is 3 in the file, 2 here" in refused["output"]
