@@ -81,7 +81,8 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     results = run_two_at_a_time(filled({**RUNS, **RESTARTS}, placement=str(placement),
                                        static_placement=str(static_placement)),
                                 workdir, after=dict.fromkeys(RESTARTS, "int4_tp2_on"), when_done=keep)
-    return {**results, **kept, "static_placement": json.loads(static_placement.read_text())}
+    return {**results, **kept, "static_placement": json.loads(static_placement.read_text()),
+            "placement_after_restart": json.loads(placement.read_text())}
 
 
 @pytest.mark.parametrize("weights", ["online", "checkpoint", "int4"])
@@ -127,7 +128,7 @@ def test_scales_upstream_would_leave_behind_are_found_and_moved_by_the_view(runs
 
 
 def test_zero_recompiles_after_warm_up_when_quantized(runs):
-    for name in RUNS:
+    for name in {**RUNS, **RESTARTS}:
         assert runs[name]["recompiles_after_warm_up"] == 0, name
         assert runs[name]["pass_runs_after_warm_up"] == 0, name
         if runs[name]["eplb"] is not None:  # the worker's own count (compile_watch.py)
@@ -163,6 +164,7 @@ def test_a_restarted_quantized_engine_starts_from_the_kept_placement_scales_and_
         assert slots_hold(before, expert_digest) and slots_hold(after, expert_digest)
         assert after["rearrangements_committed"] == 0 and placements_of(after) == kept["physical_to_logical"]
     assert restored["tokens"] == runs["int4_tp2_on"]["tokens"]
+    assert runs["placement_after_restart"] == kept  # nothing moved since the restore: the file is not rewritten
 
 
 def test_an_engine_that_never_rearranged_writes_its_placement_at_shutdown(runs):
