@@ -359,7 +359,7 @@ def test_an_engine_of_another_layout_refuses_the_file_at_start_by_name(runs):
     assert "num_physical_experts is 12 in the file, 10 here" in refused["output"]
     refused = runs["tp2_other_layers"]
     assert refused["returncode"] != 0 and not refused["served"] and refused["workers_started"] == 2
-    errors = [line for line in refused["output"].splitlines() if "PlacementFileError: EP rank 0: placement file" in line]
-    # each worker raises the error both agreed on (EP rank 0 read the file)
-    assert {rank for rank in (0, 1) if any(f"(Worker_TP{rank}_EP{rank} " in line for line in errors)} == {0, 1}
-    assert "does not fit this model and layout: num_layers is 3 in the file, 2 here" in refused["output"]
+    # the error both ranks agreed on (EP rank 0 read the file; every rank raises it, though vLLM
+    # may stop the second worker before it logs: tests/runtime/test_controller.py holds each rank to it)
+    assert ("PlacementFileError: EP rank 0: placement file" in refused["output"]
+            and "does not fit this model and layout: num_layers is 3 in the file, 2 here" in refused["output"])
