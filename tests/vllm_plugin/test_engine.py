@@ -7,8 +7,9 @@ data parallel, one process per rank, compiled), where experts move between the w
 rank computes only the pairs routed to its own slots. Every multi-process run is compared with
 the one-process EPLB-off run. The compiled TP=2 run keeps its placement in a file
 (``EPLB_GRAPH_PLACEMENT_FILE``), and once it has ended, the same engine restarts from it; one built
-for other slot counts is refused by the config gate, and a file kept for one more layer by the workers. vLLM's default layout, the engine core in a process of its own where
-the plugin loads again, is what the OpenAI server runs (test_server.py).
+for other slot counts is refused by the config gate, and a file kept for one more layer by the
+workers. vLLM's default layout, the engine core in a process of its own where the plugin loads
+again, is what the OpenAI server runs (test_server.py).
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ import torch
 
 from eplb_graph.placement_file import load, save
 from tests.vllm_plugin.engine_server import EngineServer
-from tests.vllm_plugin.test_server import NO_CACHES
+from tests.vllm_plugin.test_server import NO_CACHES, repo_on_pythonpath
 
 pytestmark = pytest.mark.launches  # rank processes or an engine: left out by make test-fast
 
 pytest.importorskip("vllm")
 
-REPO_ROOT = Path(__file__).parents[2]
 RUN_TIMEOUT_S = 600
 RUNS = {
     "compiled_off": ["--eplb", "off", "--mode", "compiled"],
@@ -60,8 +60,7 @@ INITIAL_PLACEMENT = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]  # upstream's: logical 
 def engine_environment() -> dict[str, str]:
     # No compile caches: a cache hit serves the graph our pass built earlier without running
     # the pass again (correct, and caught by the runtime check), but here the pass must run.
-    return {**os.environ, **NO_CACHES, "VLLM_CPU_KVCACHE_SPACE": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    return {**os.environ, **NO_CACHES, "VLLM_CPU_KVCACHE_SPACE": "1", **repo_on_pythonpath()}
 
 
 def result_of(returncode: int, output: str, name: str, refused: set[str] = frozenset()) -> dict:

@@ -42,6 +42,11 @@ START_TIMEOUT_S = 480
 NO_CACHES = {"VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
 
 
+def repo_on_pythonpath() -> dict[str, str]:
+    """PYTHONPATH with this repository first: vLLM's processes import the tests' helpers from it."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def free_ports(count: int) -> list[int]:
     """Distinct free ports, held together while chosen: two chosen one after the other can be the
     same port, when nothing has bound the first yet."""
@@ -145,7 +150,7 @@ def serve_quickstart(section: str, workdir: Path, *, quantized: bool = False, wr
     if quantized:
         serve = serve.replace(f"-m {UPSTREAM_SERVER}", f"-m {LIFTED_SERVER}") + (
             f" --max-num-batched-tokens {EXACT_TOKENS_PER_EXPERT}")
-        env_extra = {LIFT_ENV: "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+        env_extra = {LIFT_ENV: "1", **repo_on_pythonpath()}
     model_dir = write_quickstart_checkpoint(write_checkpoint, section, workdir)
     commands = {name: (serve, name == "on") for name in ("on", "off")}
     return serve_and_query(commands, model_dir, workdir, curl, env_extra)
@@ -161,6 +166,7 @@ def write_quickstart_checkpoint(write_checkpoint: str, section: str, workdir: Pa
     finally:
         sys.argv = argv
     return model_dir
+
 
 def core_of(command: str, index: int) -> dict[str, str]:
     """Where the index-th of two servers side by side runs its one worker: vLLM's automatic CPU
