@@ -24,8 +24,9 @@ def file_of(item: pytest.Item) -> str:
 
 
 def order(item: pytest.Item) -> tuple[bool, int]:
-    """Tests on the emulated ``npu`` device run last: installing it renames PrivateUse1 and makes
-    ``npu`` this process's accelerator for good, which no test before them should see."""
+    """The vLLM engine files first (the longest unit of work, handed out first); tests on the
+    emulated ``npu`` device last: installing it renames PrivateUse1 and makes ``npu`` this
+    process's accelerator for good, which no test before them should see."""
     path = file_of(item)
     first = VLLM_ENGINE_FILES.index(path) if path in VLLM_ENGINE_FILES else len(VLLM_ENGINE_FILES)
     return "npu_emulation" in getattr(item, "fixturenames", ()), first
