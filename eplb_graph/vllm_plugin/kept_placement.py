@@ -5,7 +5,7 @@ and worker process it starts. With EPLB on:
 
 * the config gate refuses, before any process starts, a path whose directory cannot be written,
   pipeline parallel (one EP group per stage), and a file that is not a placement file or was kept
-  for another model, expert or slot count, EP size or quantization (``check_at_engine_start``);
+  for another model, EP size or quantization (``check_at_engine_start``);
 * each worker, right after ``load_model``, checks the file EP rank 0 read against everything it
   knows (layers, experts, slots too), agrees with the other EP ranks, and moves its experts to the
   file's placement before the first forward (``start``, ``upstream/kept_placement.py``);
@@ -43,26 +43,20 @@ def placement_path(environ: Mapping[str, str]) -> str | None:
 
 
 def vllm_identity(model_config: ModelConfig, ep_size: int, environ: Mapping[str, str],
-                  moe_model: MixtureOfExperts | None = None,
-                  num_redundant_experts: int | None = None) -> PlacementIdentity:
-    """The identity a placement must have to serve this model. Where the model is built
-    (``moe_model``: upstream's ``MixtureOfExperts``), every count; before, no layer count, and the
-    expert counts as upstream's frontend computes them for elastic scaling: the config's routed
-    experts, plus ``num_redundant_experts`` slots."""
-    if moe_model is not None:
-        counts = (moe_model.num_moe_layers, moe_model.num_logical_experts, moe_model.num_physical_experts)
-    else:
-        logical = model_config.get_num_experts() or None  # 0: the config names no routed experts
-        physical = None if logical is None or num_redundant_experts is None else logical + num_redundant_experts
-        counts = (None, logical, physical)
+                  moe_model: MixtureOfExperts | None = None) -> PlacementIdentity:
+    """The identity a placement must have to serve this model; the layer and expert counts only
+    where the model is built (``moe_model``: upstream's ``MixtureOfExperts``). The config's expert
+    count is in its hash already, and the slot count is the built model's own: some upstream
+    models hold no redundant slots whatever ``num_redundant_experts`` says (Sarvam, Param2MoE)."""
+    counts = (None, None, None) if moe_model is None else (
+        moe_model.num_moe_layers, moe_model.num_logical_experts, moe_model.num_physical_experts)
     hashed = environ.get(CONFIG_HASH) or config_hash(model_config.hf_config)
     return PlacementIdentity(model_config.architecture, hashed, *counts, ep_size, model_config.quantization or "none")
 
 
 def check_at_engine_start(config: VllmConfig, environ: MutableMapping[str, str], *, check_file: bool = True) -> None:
     """In the frontend, before any worker starts: the file's directory is writable, and a file
-    there fits this model, its expert and slot counts, EP size and quantization
-    (``PlacementFileError`` names what differs);
+    there fits this model, EP size and quantization (``PlacementFileError`` names what differs);
     the workers get the config hash checked here. ``check_file`` False (a headless node): the
     hash only; EP rank 0, which alone reads and writes the file, runs elsewhere."""
     path = placement_path(environ)
@@ -75,9 +69,7 @@ def check_at_engine_start(config: VllmConfig, environ: MutableMapping[str, str],
     environ[CONFIG_HASH] = config_hash(config.model_config.hf_config)
     if check_file:
         ep_size = parallel.world_size_across_dp // parallel.pipeline_parallel_size
-        here = vllm_identity(config.model_config, ep_size, environ,
-                             num_redundant_experts=parallel.eplb_config.num_redundant_experts)
-        check_start_file(path, here)
+        check_start_file(path, vllm_identity(config.model_config, ep_size, environ))
 
 
 def start(worker: VllmEplbWorker, environ: Mapping[str, str]) -> PlacementKeeper | None:

@@ -6,15 +6,14 @@ expert parallel over two worker processes: TP=2 (compiled and eager) and DP=2 (v
 data parallel, one process per rank, compiled), where experts move between the workers and each
 rank computes only the pairs routed to its own slots. Every multi-process run is compared with
 the one-process EPLB-off run. The compiled TP=2 run keeps its placement in a file
-(``EPLB_GRAPH_PLACEMENT_FILE``), and once it has ended, the same engine restarts from it; one built
-for other slot counts is refused by the config gate, and a file kept for one more layer by the
-workers. vLLM's default layout, the engine core in a process of its own where the plugin loads
+(``EPLB_GRAPH_PLACEMENT_FILE``), and once it has ended, the same engine restarts from it; one
+process (another EP size) is refused by the config gate, and a TP=2 engine with other slot counts
+by its workers. vLLM's default layout, the engine core in a process of its own where the plugin loads
 again, is what the OpenAI server runs (test_server.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -22,9 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 
-from eplb_graph.placement_file import load, save
 from tests.vllm_plugin.engine_server import EngineServer
 from tests.vllm_plugin.test_server import NO_CACHES, repo_on_pythonpath
 
@@ -47,12 +44,12 @@ RUNS = {
 # started once tp2_compiled_on has ended, from the placement it kept
 RESTARTS = {
     "tp2_compiled_restored": RUNS["tp2_compiled_on"],
-    # other slot counts: refused by the config gate; another layer count: only the workers know it
+    # another EP size: refused by the config gate; other slot counts, which the built model owns: by the workers
+    "other_ep_size": ["--eplb", "on", "--mode", "compiled", "--placement-file", "{placement}"],
     "tp2_other_layout": ["--eplb", "on", "--mode", "compiled", "--tp", "2", "--redundant", "2",
                          "--placement-file", "{placement}"],
-    "tp2_other_layers": ["--eplb", "on", "--mode", "compiled", "--tp", "2", "--placement-file", "{other_layers}"],
 }
-REFUSED = {"tp2_other_layout", "tp2_other_layers"}  # the engine must fail to start
+REFUSED = {"other_ep_size", "tp2_other_layout"}  # the engine must fail to start
 MULTI_PROCESS = {"tp2_compiled": ["tp2_compiled_on"], "tp2_eager": ["tp2_eager_on"], "dp2": ["dp2_rank0", "dp2_rank1"]}
 INITIAL_PLACEMENT = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]  # upstream's: logical ids, then round-robin
 
@@ -117,30 +114,19 @@ def filled(runs: dict[str, list[str]], **values: str) -> dict[str, list[str]]:
     return {name: [fill.get(arg, arg) for arg in args] for name, args in runs.items()}
 
 
-def write_with_one_more_layer(path: Path, out: Path) -> None:
-    """The placement file at ``path`` as a model with one more MoE layer would have kept it (a
-    whole, checksummed file that fits everything the config gate knows)."""
-    record = load(path)
-    placement = torch.cat([record.physical_to_logical, record.physical_to_logical[:1]])
-    identity = dataclasses.replace(record.identity, num_layers=record.identity.num_layers + 1)
-    save(out, dataclasses.replace(record, identity=identity, physical_to_logical=placement, load_window=None))
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     from eplb_graph.runtime.launch import free_port
 
     workdir = tmp_path_factory.mktemp("engine")
-    placement, other_layers = workdir / "placement.json", workdir / "other_layers.json"
+    placement = workdir / "placement.json"
     kept = {}
 
     def keep(name: str) -> None:
         if name == "tp2_compiled_on":  # what it left at its end, before a restart rewrites it
             kept["kept_placement"] = json.loads(placement.read_text())
-            write_with_one_more_layer(placement, other_layers)
 
-    results = run_two_at_a_time(filled({**RUNS, **RESTARTS}, port=str(free_port()), placement=str(placement),
-                                       other_layers=str(other_layers)),
+    results = run_two_at_a_time(filled({**RUNS, **RESTARTS}, port=str(free_port()), placement=str(placement)),
                                 workdir, REFUSED, dict.fromkeys(RESTARTS, "tp2_compiled_on"), keep)
     return {**results, **kept, "placement_after_restart": json.loads(placement.read_text())}
 
@@ -349,16 +335,16 @@ def test_a_restarted_engine_serves_from_the_kept_placement_with_every_slot_holdi
 
 
 def test_an_engine_of_another_layout_refuses_the_file_at_start_by_name(runs):
-    """Other slot counts: by the config gate, before any worker process starts. Another layer
-    count, which only the built model knows: by every worker, before anything moves."""
-    assert runs["tp2_compiled_restored"]["workers_started"] == 2  # the count below is of real log lines
-    refused = runs["tp2_other_layout"]
+    """Another EP size: by the config gate, before any worker starts. Other slot counts, which
+    only the built model knows: by every worker, before anything moves."""
+    assert runs["tp2_compiled_restored"]["workers_started"] == 2  # the counts below are of real log lines
+    refused = runs["other_ep_size"]
     assert refused["returncode"] != 0 and not refused["served"] and refused["workers_started"] == 0
     assert "eplb-graph cannot serve this EPLB request:\n  placement file" in refused["output"]
-    assert "num_physical_experts is 12 in the file, 10 here" in refused["output"]
-    refused = runs["tp2_other_layers"]
+    assert "ep_size is 2 in the file, 1 here" in refused["output"]
+    refused = runs["tp2_other_layout"]
     assert refused["returncode"] != 0 and not refused["served"] and refused["workers_started"] == 2
     # the error both ranks agreed on (EP rank 0 read the file; every rank raises it, though vLLM
     # may stop the second worker before it logs: tests/runtime/test_controller.py holds each rank to it)
     assert ("PlacementFileError: EP rank 0: placement file" in refused["output"]
-            and "does not fit this model and layout: num_layers is 3 in the file, 2 here" in refused["output"])
+            and "does not fit this model and layout: num_physical_experts is 12 in the file, 10 here" in refused["output"])
