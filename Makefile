@@ -8,12 +8,12 @@ OUT ?= out
 
 .PHONY: run test test-fast bench gpu-carry gpu-dryrun gpu-image-check venv clean
 
-$(STAMP): requirements/cpu.txt requirements/dev.txt requirements/triton-interpreter.txt pyproject.toml
+$(STAMP): requirements/cpu.txt requirements/dev.txt requirements/triton-interpreter.txt pyproject.toml reference/pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --no-deps -r requirements/cpu.txt -r requirements/dev.txt
 	$(VENV)/bin/pip install -q --no-deps --upgrade --target $(VENV)/triton-interpreter -r requirements/triton-interpreter.txt
-	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
-	$(VENV)/bin/python -c "import torch, vllm, eplb_graph; print('torch', torch.__version__, '| vllm', vllm.__version__)"
+	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e . -e reference
+	$(VENV)/bin/python -c "import torch, vllm, eplb_graph, eplb_reference; print('torch', torch.__version__, '| vllm', vllm.__version__)"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -78,7 +78,7 @@ GPU_IMAGE_VENV := .venv-gpu-image
 gpu-image-check: gpu-carry
 	test -x $(GPU_IMAGE_VENV)/bin/python || $(PYTHON312) -m venv $(GPU_IMAGE_VENV)
 	$(GPU_IMAGE_VENV)/bin/pip install -q -r requirements/gpu-image.txt
-	$(GPU_IMAGE_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	$(GPU_IMAGE_VENV)/bin/pip install -q --no-deps --no-build-isolation -e . -e reference
 	$(GPU_IMAGE_VENV)/bin/python benchmarks/gpu_image_check.py --carry .gpu-carry
 
 clean:

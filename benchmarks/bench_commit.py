@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from eplb_graph import LayerLookup, initial_placement
-from eplb_graph.placement import check_expert_layout, logical_maps
+from eplb_graph.core.placement import check_expert_layout, logical_maps
 
 # (logical, redundant): the default job's model, a mid-size one, DeepSeek-V3 with 32 redundant.
 DEFAULT_SHAPES = ("16+4", "64+16", "256+32")

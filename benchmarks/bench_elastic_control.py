@@ -29,7 +29,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from eplb_graph.runtime.config import RunConfig
+from eplb_reference.runtime.config import RunConfig
 
 
 def step_gaps_ms(ends: list[float], skip: int) -> list[float]:
@@ -39,15 +39,15 @@ def step_gaps_ms(ends: list[float], skip: int) -> list[float]:
 
 
 def fixed_run(cfg: RunConfig, skip: int) -> list[float]:
-    from eplb_graph.runtime.launch import run_ranks
-    from eplb_graph.runtime.rank import run_rank_and_shut_down
+    from eplb_reference.runtime.launch import run_ranks
+    from eplb_reference.runtime.rank import run_rank_and_shut_down
 
     results = run_ranks(run_rank_and_shut_down, cfg.ranks, cfg, timeout_s=600)
     return step_gaps_ms(results[0]["step_end_s"], skip)
 
 
 def elastic_run(cfg: RunConfig, skip: int) -> list[float]:
-    from eplb_graph.runtime.elastic.scripted import run_elastic
+    from eplb_reference.elastic.scripted import run_elastic
 
     raw = run_elastic(cfg, (cfg.ranks,), cfg.ranks, spares=0, timeout_s=600)
     rank0 = next(m for m in raw["members"] if m["member"] == 0)
@@ -74,7 +74,7 @@ def fixed_vs_elastic(cfg: RunConfig, rounds: int, skip: int) -> dict:
 
 
 def serving_control(cfg: RunConfig, requests: int, clients: int) -> dict:
-    from eplb_graph.runtime.elastic.server import ElasticServer
+    from eplb_reference.elastic.server import ElasticServer
 
     server = ElasticServer(cfg, cfg.ranks, spares=0).start()
     stop, answered = threading.Event(), []

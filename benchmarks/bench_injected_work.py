@@ -55,12 +55,12 @@ def inject_after_routers(model, work_us: float) -> None:
 
 
 def rank_main(rank: int, world_size: int, init_method: str, cfg, work_us: float) -> dict:
-    from eplb_graph.bench.harness import decode_batches, rotating_steps
-    from eplb_graph.runtime.groups import shutdown_expert_parallel
-    from eplb_graph.runtime.compile import prepare_step
-    from eplb_graph.runtime.groups import rank_session
-    from eplb_graph.runtime.stack import build_rank_models
-    from eplb_graph.runtime.step import rank_device, timed_step
+    from eplb_reference.bench.harness import decode_batches, rotating_steps
+    from eplb_reference.runtime.groups import shutdown_expert_parallel
+    from eplb_reference.runtime.compile import prepare_step
+    from eplb_reference.runtime.groups import rank_session
+    from eplb_reference.runtime.stack import build_rank_models
+    from eplb_reference.runtime.step import rank_device, timed_step
 
     library = register_spin_op()  # held for the life of the registrations
     with rank_session(rank, world_size, init_method, cfg) as (group, _):
@@ -89,8 +89,8 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    from eplb_graph.runtime.launch import run_ranks
-    from eplb_graph.runtime.config import RunConfig
+    from eplb_reference.runtime.launch import run_ranks
+    from eplb_reference.runtime.config import RunConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from eplb_graph.bench.stats import over_median, percentile
+from eplb_reference.bench.stats import over_median, percentile
 
 
 def memcpy_gb_per_s(num_bytes: int = 64 << 20) -> float:
@@ -43,11 +43,11 @@ def memcpy_gb_per_s(num_bytes: int = 64 << 20) -> float:
 def rank_main(rank, world_size, init_method, cfg, steps):
     from vllm.distributed.eplb.rebalance_execute import rearrange_expert_weights_inplace
 
-    from eplb_graph import mover
-    from eplb_graph.runtime.groups import rank_session, shutdown_expert_parallel
-    from eplb_graph.runtime.stack import build_rank_stack
-    from eplb_graph.runtime.step import timed_step
-    from eplb_graph.runtime.workload import make_batch
+    from eplb_graph.movement import mover
+    from eplb_reference.runtime.groups import rank_session, shutdown_expert_parallel
+    from eplb_reference.runtime.stack import build_rank_stack
+    from eplb_reference.runtime.step import timed_step
+    from eplb_reference.runtime.workload import make_batch
 
     moves = []
     execute = mover.GlooStagedCommunicator.execute
@@ -123,7 +123,7 @@ def rank_main(rank, world_size, init_method, cfg, steps):
 
 def run_config(args: argparse.Namespace):
     """The bench's model as a runtime config; bad input stops here, before any rank process starts."""
-    from eplb_graph.runtime.config import RunConfig
+    from eplb_reference.runtime.config import RunConfig
 
     if args.steps < 1:
         raise SystemExit(f"bench_movement: --steps must be >= 1, got {args.steps}")
@@ -142,7 +142,7 @@ def run_config(args: argparse.Namespace):
 
 
 def main() -> None:
-    from eplb_graph.runtime.launch import run_ranks
+    from eplb_reference.runtime.launch import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)

@@ -73,11 +73,11 @@ def main() -> int:
     if args.rounds < 1:
         raise SystemExit(f"bench_op_in_step: --rounds must be >= 1, got {args.rounds}")
 
-    from eplb_graph.bench.harness import decode_batches
+    from eplb_reference.bench.harness import decode_batches
     from eplb_graph.custom_ops import CPU_LAYER_KERNEL, LAYER_TABLES, layer_routing, routing
-    from eplb_graph.runtime.compile import prepare_step
-    from eplb_graph.runtime.config import RunConfig
-    from eplb_graph.runtime.stack import build_rank_models
+    from eplb_reference.runtime.compile import prepare_step
+    from eplb_reference.runtime.config import RunConfig
+    from eplb_reference.runtime.stack import build_rank_models
 
     torch.set_num_threads(1)  # the ranks' setting on this machine: one thread each
     cfg = RunConfig(ranks=1, mode="compiled", backend=args.backend)

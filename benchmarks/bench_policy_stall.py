@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from eplb_graph.bench.stats import percentile
+from eplb_reference.bench.stats import percentile
 
 # (layers, logical, redundant, groups, nodes, ranks): the default job's model; DeepSeek-V3 on 32 ranks
 SHAPES = {"default": (2, 16, 4, 1, 1, 2), "deepseek_v3": (58, 256, 32, 8, 4, 32)}
@@ -78,7 +78,7 @@ class PolicyLoop:
 def bench_shape(name: str, rounds: int, steps: int, ops: int) -> dict:
     from vllm.distributed.eplb.policy.default import DefaultEplbPolicy
 
-    from eplb_graph.runtime.policy_process import PolicyProcess
+    from eplb_reference.runtime.policy_process import PolicyProcess
 
     layers, logical, redundant, groups, nodes, ranks = SHAPES[name]
     gen = torch.Generator().manual_seed(layers)

@@ -24,7 +24,7 @@ import torch
 import eplb_graph
 from eplb_graph import BatchFlags, LayerLookup
 from eplb_graph.custom_ops.routing import map_and_record_composite
-from eplb_graph.placement import check_expert_layout
+from eplb_graph.core.placement import check_expert_layout
 
 TARGETS = {16: 1.5, 4096: 1.1}
 

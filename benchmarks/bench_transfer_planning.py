@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eplb_graph.placement import check_expert_layout
+from eplb_graph.core.placement import check_expert_layout
 
 # logical+redundant experts x EP ranks: the default job's model on one and two ranks; DeepSeek-V3
 # with 32 redundant experts on one 8-GPU node and on 32 ranks.

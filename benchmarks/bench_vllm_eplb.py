@@ -53,7 +53,7 @@ def write_skewed_checkpoint(directory: Path, *, hidden: int, intermediate: int, 
     import torch
     from safetensors.torch import load_file, save_file
 
-    from eplb_graph.models.tiny_checkpoint import write_tiny_qwen3_moe_checkpoint
+    from eplb_reference.models.tiny_checkpoint import write_tiny_qwen3_moe_checkpoint
 
     write_tiny_qwen3_moe_checkpoint(directory, hidden_size=hidden, moe_intermediate_size=intermediate,
                                     intermediate_size=intermediate, num_hidden_layers=layers, num_experts=experts,

@@ -46,11 +46,11 @@ from gpu_stages import Stage, StageRunner, exit_code, tests_ran  # noqa: E402
 
 VLLM_FREE_TEST_FILES = [
     "tests/custom_ops/test_routing_ops.py",
-    "tests/eplb_graph/test_layer_lookup.py",
-    "tests/eplb_graph/test_graph_capture.py",
-    "tests/bench/test_data_plane.py",
+    "tests/eplb_graph/core/test_layer_lookup.py",
+    "tests/eplb_graph/graph/test_graph_capture.py",
+    "tests/eplb_reference/bench/test_data_plane.py",
 ]
-RUNTIME_TEST_FILES = ["tests/runtime/test_rank.py"]  # multi-rank runs: upstream's EPLB
+RUNTIME_TEST_FILES = ["tests/eplb_reference/runtime/test_rank.py"]  # multi-rank runs: upstream's EPLB
 LARGE_SHAPE = ["--experts", "256", "--redundant", "32", "--top-k", "8", "--hidden", "1024", "--intermediate", "512"]
 SECOND_CALL = ("bench_data_plane_large", "bench_large")  # run only when --only names them
 DEFAULT_BUDGET_S = 420  # the stage timeouts below add up to it; the device call's timeout_s is 480
@@ -67,9 +67,10 @@ def preflight(dry_run: bool) -> str | None:
         return "torch.cuda.is_available() is False"
     try:
         import eplb_graph.custom_ops  # noqa: F401  (custom_ops/ installs under eplb_graph)
+        import eplb_reference  # noqa: F401  (the runtime stages' eplb-graph run / bench)
     except ImportError as error:
-        return (f"eplb_graph is not installed in this environment: pip install --no-deps --no-build-isolation -e . "
-                f"({error})")
+        return (f"eplb_graph or eplb_reference is not installed in this environment: pip install --no-deps "
+                f"--no-build-isolation -e . -e reference ({error})")
     return None
 
 
@@ -93,7 +94,7 @@ def use_carry(carry: Path) -> dict:
 def vllm_problem() -> str | None:
     """Why upstream's EPLB control plane cannot be used here, or None. vLLM's import would make
     every later compile serial (here and in each stage): the compile threads are kept."""
-    from eplb_graph.runtime.groups import inductor_compile_threads_kept
+    from eplb_reference.runtime.groups import inductor_compile_threads_kept
 
     try:
         with inductor_compile_threads_kept():
@@ -166,7 +167,7 @@ def plan(out: Path, ranks: int, without_vllm: str | None, *, dry_run: bool = Fal
     """Every stage in order; ``without_vllm``: why vLLM is missing (its stages are skipped).
     ``dry_run``: each CUDA stage's host equivalent, and ``run`` made to time out."""
     device, graph = ("cpu", "compiled") if dry_run else ("cuda", "graph")
-    cli = [sys.executable, "-m", "eplb_graph.runtime.cli"]
+    cli = [sys.executable, "-m", "eplb_reference.cli"]
     pytest = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k",
               "not cuda" if dry_run else "cuda"]
     needs_vllm = None if without_vllm is None else f"needs vLLM: {without_vllm}"
@@ -323,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     for stage in stages:
         runner.run(stage)
 
-    from eplb_graph.bench.table import format_table
+    from eplb_reference.bench.table import format_table
 
     for name in ("bench", "bench_data_plane"):  # the full bench, or without vLLM the data-plane one
         bench = runner.stages[name].get("json")

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from eplb_graph.bench.result_tables import RENDERERS, TITLES, table
+from eplb_reference.bench.result_tables import RENDERERS, TITLES, table
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "benchmarks" / "results"

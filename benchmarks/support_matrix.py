@@ -1,7 +1,7 @@
 """The support matrix: every transformers MoE family through graph-mode EPLB (markdown + JSON out).
 
 Each family of the installed transformers whose experts use ``use_experts_implementation``
-is built tiny in code and run by ``eplb_graph.models.hf_check.check_family`` in its own
+is built tiny in code and run by ``eplb_reference.models.hf_check.check_family`` in its own
 process (a family that crashes or hangs costs its row, not the run): enable -> compile
 (aot_eager and Inductor, fullgraph) -> outputs against the logical model -> skewed load ->
 rearrange -> the same graph, no recompile.
@@ -23,7 +23,7 @@ ROW_MARK = "MATRIX_ROW "
 STATUSES = ("works", "refused", "cannot-build", "failed")
 
 # The vLLM plugin's quantizations (eplb_graph/vllm_plugin/expert_views.py: VIEWED_MOE_METHODS);
-# what moves is what the engine tests see (tests/vllm_plugin/test_engine_quantized.py).
+# what moves is what the engine tests see (tests/eplb_graph/vllm_plugin/test_engine_quantized.py).
 QUANTIZATION_NOTES = """\
 ## Quantized checkpoints in the vLLM plugin
 
@@ -38,16 +38,16 @@ when the layer is built (upstream's `supports_eplb`) or bound (the view), before
 | none | `UnquantizedFusedMoEMethod` | `w13_weight`, `w2_weight` | tested |
 | `fp8` (pre-quantized checkpoint: `quant_method: fp8`) | `Fp8MoEMethod` | VNNI-packed `w13_weight`, `w2_weight`, block scales `w13_weight_scale_inv`, `w2_weight_scale_inv` | tested with `[128, 128]` blocks (DeepSeek-V3's format), the only scheme vLLM 0.32's CPU FP8 experts take (`CPUExpertsFp8._supports_quant_scheme`) |
 | `fp8_per_block` (online, from bf16) | `Fp8PerBlockOnlineMoEMethod` | as `fp8` | tested |
-| `fp8_per_tensor`, `fp8_per_channel` (online), `fp8` on a checkpoint without FP8 weights (vLLM quantizes it online per tensor), any online MoE spec in `quantization_config` that builds these | `Fp8PerTensorOnlineMoEMethod`, `Fp8PtpcOnlineMoEMethod` | — | refused by name at start, judged by the MoE method vLLM's config builds (with `ignore` or `targets` patterns, which choose it by layer name: when each layer is bound, before serving): no view was bound to them, since vLLM 0.32's CPU build cannot load them, EPLB on or off (their FP8 quant ops have no kernel there: `_C::static_scaled_fp8_quant() -> ()`, `_C::dynamic_per_token_scaled_fp8_quant() -> ()`; `tests/vllm_plugin/test_config_gate.py` shows `fp8` on a bf16 checkpoint failing to load with EPLB off) |
+| `fp8_per_tensor`, `fp8_per_channel` (online), `fp8` on a checkpoint without FP8 weights (vLLM quantizes it online per tensor), any online MoE spec in `quantization_config` that builds these | `Fp8PerTensorOnlineMoEMethod`, `Fp8PtpcOnlineMoEMethod` | — | refused by name at start, judged by the MoE method vLLM's config builds (with `ignore` or `targets` patterns, which choose it by layer name: when each layer is bound, before serving): no view was bound to them, since vLLM 0.32's CPU build cannot load them, EPLB on or off (their FP8 quant ops have no kernel there: `_C::static_scaled_fp8_quant() -> ()`, `_C::dynamic_per_token_scaled_fp8_quant() -> ()`; `tests/eplb_graph/vllm_plugin/test_config_gate.py` shows `fp8` on a bf16 checkpoint failing to load with EPLB off) |
 | `compressed-tensors` int4 (`pack-quantized`, W4A16 as declared) | `CompressedTensorsWNA16MoEMethod` on the CPU backend, run as W4A8 (int8 activations) | blocked int4 `w13_weight_packed`, `w2_weight_packed`, scales, the zero points created at load, `weight_shape` | tested (group 128); upstream refuses EPLB for the method, the plugin serves it on the CPU backend (`quant_methods.py`) |
 
 Not served: compressed-tensors W4A8-int8 (`CompressedTensorsW4A8Int8MoEMethod`: its CPU kernel,
 `dynamic_4bit_int_moe`, runs only on AArch64 and upstream refuses EPLB for it), and every other
 MoE quant method (refused by name). vLLM 0.32 runs its FP8 and int4 CPU MoE experts only where
-the CPU has AMX tiles; the tests admit them on AMX-less hosts (`tests/vllm_plugin/cpu_quantized_experts.py`):
+the CPU has AMX tiles; the tests admit them on AMX-less hosts (`tests/eplb_graph/vllm_plugin/cpu_quantized_experts.py`):
 on vLLM's own kernels where the CPU has AVX-512 and AVX-512 BF16, and where vLLM's kernel
 library has none (CPUs without AVX-512 BF16), on torch stand-ins registered under the kernels'
-names (`tests/vllm_plugin/cpu_kernel_stand_ins.py`). Their packing keeps each expert in its own
+names (`tests/eplb_graph/vllm_plugin/cpu_kernel_stand_ins.py`). Their packing keeps each expert in its own
 slab of dim 0 and their kernel reads exactly the slots routed to, so vLLM's loading, its packing
 calls, its experts classes, its EPLB and our views all run, on the stand-ins' layouts; they do
 not prove vLLM's C++ kernels, their packed layouts or their AMX path.
@@ -105,13 +105,13 @@ ROUTER_NOTES = """\
   experts (Phi-MoE's sparsemixer uses `max`), a top-k over `num_experts + 1` classes (a
   "no expert" class, ZAYA), hash routing by token id (DeepSeek-V4's first layers), and any
   experts implementation other than `grouped_mm` / `batched_mm`. Each is found before the
-  model is touched (``eplb_graph/router_probe.py`` runs the block once on a probe input and
+  model is touched (``eplb_graph/pytorch/router_probe.py`` runs the block once on a probe input and
   checks that the experts receive exactly the ids of the top-k the pass will map).
 """
 
 
 def run_one(family: str, backends: tuple[str, ...]) -> int:
-    from eplb_graph.models.hf_check import check_family
+    from eplb_reference.models.hf_check import check_family
 
     print(ROW_MARK + json.dumps(check_family(family, backends).as_dict()), flush=True)
     return 0
@@ -152,7 +152,7 @@ def markdown(rows: list[dict], backends: tuple[str, ...], versions: dict[str, st
         "",
         f"Made with transformers {versions['transformers']}, torch {versions['torch']}, on CPU, by "
         f"`python benchmarks/support_matrix.py` (each family built tiny in code, "
-        f"`eplb_graph/models/hf_families.py`; checked by `eplb_graph/models/hf_check.py`).",
+        f"`reference/eplb_reference/models/hf_families.py`; checked by `reference/eplb_reference/models/hf_check.py`).",
         "",
         f"{len(rows)} families checked of the {versions['families']} that use `use_experts_implementation`: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES) + ".",
         "",
@@ -190,7 +190,7 @@ def main() -> int:
     import torch
     import transformers
 
-    from eplb_graph.models.hf_families import moe_families
+    from eplb_reference.models.hf_families import moe_families
 
     known = moe_families()
     families = [f for f in args.families.split(",") if f] or list(known)

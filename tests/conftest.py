@@ -6,8 +6,8 @@ import eplb_graph  # noqa: F401  (registers torch.ops.eplb_graph)
 # Files whose module fixtures start vLLM engines or servers, two processes at a time: one unit of
 # work for one of make test's two workers, handed out first, while the other runs everything else
 # (two of them at once would only share the same two cores).
-VLLM_ENGINE_FILES = ("tests/vllm_plugin/test_engine_quantized.py", "tests/vllm_plugin/test_server.py",
-                     "tests/vllm_plugin/test_engine.py")
+VLLM_ENGINE_FILES = ("tests/eplb_graph/vllm_plugin/test_engine_quantized.py", "tests/eplb_graph/vllm_plugin/test_server.py",
+                     "tests/eplb_graph/vllm_plugin/test_engine.py")
 
 
 @pytest.fixture(autouse=True)

@@ -22,8 +22,8 @@ from typing import Protocol
 
 import torch
 
-from eplb_graph.layer_lookup import LayerLookup
-from eplb_graph.placement import validate_layer_placements
+from eplb_graph.core.layer_lookup import LayerLookup
+from eplb_graph.core.placement import validate_layer_placements
 from eplb_graph.upstream.capability import UpstreamCapabilityAdapter, ends_rearrangement
 from eplb_graph.upstream.watchdog import StallBound, StallWatchdog
 

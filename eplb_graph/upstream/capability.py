@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eplb_graph.placement import logical_maps
+from eplb_graph.core.placement import logical_maps
 from eplb_graph.upstream import patches
 from eplb_graph.upstream.adaptations import adaptation
 from eplb_graph.upstream.transfer_peers import ranks_with_experts

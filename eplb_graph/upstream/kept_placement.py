@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from eplb_graph.placement_file import (
+from eplb_graph.core.placement_file import (
     PlacementFileError,
     PlacementIdentity,
     PlacementRecord,

@@ -7,7 +7,7 @@ process whoever asks, and the record goes with the object it describes. The rule
 
 * an adaptation goes onto upstream's attribute, or onto exactly the adaptation it declares it
   ``wraps``; another adaptation of ours on the target is an ``AdaptationError`` naming both (a
-  change made outside this registry is not seen: the scan in ``tests/upstream`` keeps the tree
+  change made outside this registry is not seen: the scan in ``tests/eplb_graph/upstream`` keeps the tree
   free of them);
 * the same adaptation installed again by the same installer (``by``) with the same replacement is
   a no-op; by another installer, or with another replacement, an error (two bindings would

@@ -13,7 +13,7 @@ How vllm-ascend runs eplb-graph, as far as this package is concerned:
 * torchair graph mode compiles through ``eplb_graph.passes.inductor_pass.torchair_backend``;
   the pass finds no traced router top-k there and leaves the router adapter's op alone.
 
-As read in vllm-ascend's source (the commit in ``tests/vllm_plugin/ascend_names.py``): the V2
+As read in vllm-ascend's source (the commit in ``tests/eplb_graph/vllm_plugin/ascend_names.py``): the V2
 runner inherits vLLM's Model Runner V2 ``load_model`` and keeps its EPLB state in
 ``runner.eplb`` (an ``AscendEPLBController``), which ``VllmEplbWorker`` does not read yet, so
 MRv2 with EPLB on is refused at load (``runner_hooks.attach_after_load``); its EPLB transfers

@@ -163,7 +163,7 @@ def create_engine_config_with_eplb(upstream_create, engine_args, *args, **kwargs
     problem = built_quantization_problem(config)
     if problem:
         raise EplbConfigError("eplb-graph cannot serve this EPLB request:\n  " + problem)
-    from eplb_graph.placement_file import PlacementFileError
+    from eplb_graph.core.placement_file import PlacementFileError
 
     from .kept_placement import check_at_engine_start
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from eplb_graph.weight_views import check_view_layout, outside_view, shares_storage
+from eplb_graph.movement.weight_views import check_view_layout, outside_view, shares_storage
 
 # vLLM's MoE quant methods with a view, and the quantization names (``quantization=`` or a
 # checkpoint's ``quant_method``) that build them: those an engine test has bound a view to. Each

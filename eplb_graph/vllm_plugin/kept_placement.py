@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING
 
-from eplb_graph.placement_file import PlacementFileError, PlacementIdentity, check_start_file, config_hash
+from eplb_graph.core.placement_file import PlacementFileError, PlacementIdentity, check_start_file, config_hash
 from eplb_graph.upstream import patches
 from eplb_graph.upstream.kept_placement import PlacementKeeper
 

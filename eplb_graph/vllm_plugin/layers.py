@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from eplb_graph.custom_ops import LAYER_TABLES
-from eplb_graph.layer_lookup import BatchFlags, LayerLookup, RoutedLayer
+from eplb_graph.core.layer_lookup import BatchFlags, LayerLookup, RoutedLayer
 from eplb_graph.passes.router_sites import RouterBinding
 
 GRAPH_PASS = "graph_pass"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from eplb_graph.placement import layer_balancedness, rank_loads
+from eplb_graph.core.placement import layer_balancedness, rank_loads
 
 PREFIX = "eplb_graph:"
 BASE_LABELS = ("model_name", "engine", "ep_rank")  # vLLM's model_name and engine (DP rank), and the worker's EP rank

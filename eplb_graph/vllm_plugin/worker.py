@@ -67,7 +67,7 @@ def use_gloo_staged_communicator(eplb_state) -> None:
     group, which gloo cannot run on float8 (FP8 checkpoints' weights)."""
     from vllm.distributed.parallel_state import get_eplb_group
 
-    from eplb_graph.mover import GlooStagedCommunicator
+    from eplb_graph.movement.mover import GlooStagedCommunicator
 
     for model_state in eplb_state.model_states.values():  # the model's, and a drafter's
         patches.configure("worker.gloo_communicator", GlooStagedCommunicator(get_eplb_group().cpu_group), on=model_state)

@@ -4,9 +4,9 @@ import time
 
 import torch
 
-from eplb_graph.runtime.config import RunConfig
-from eplb_graph.runtime.stack import build_rank_models
-from eplb_graph.runtime.workload import make_batch
+from eplb_reference.runtime.config import RunConfig
+from eplb_reference.runtime.stack import build_rank_models
+from eplb_reference.runtime.workload import make_batch
 from tests.benchmarks.scripts import load_benchmark
 
 

@@ -70,8 +70,8 @@ def test_without_vllm_the_vllm_free_stages_still_run(tmp_path):
     partial = {stage.name: stage for stage in gpu_bench.plan(tmp_path, 1, "no module named vllm")}
     assert {name for name, stage in partial.items() if stage.skip_why} == {"runtime_tests", "run", "bench", "bench_large"}
     assert partial["bench"].skip_why == "needs vLLM: no module named vllm"
-    assert "tests/eplb_graph/test_graph_capture.py" in partial["cuda_tests"].command
-    assert "tests/runtime/test_rank.py" not in partial["cuda_tests"].command
+    assert "tests/eplb_graph/graph/test_graph_capture.py" in partial["cuda_tests"].command
+    assert "tests/eplb_reference/runtime/test_rank.py" not in partial["cuda_tests"].command
 
 
 def test_the_dry_run_replaces_every_cuda_stage_and_makes_run_time_out(tmp_path):

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from eplb_graph import BatchFlags, build_lookup, validate_placement
 from eplb_graph.custom_ops.routing import map_and_record_composite
-from eplb_graph.layer_lookup import LayerLookup, RoutedLayer
+from eplb_graph.core.layer_lookup import LayerLookup, RoutedLayer
 
 ID_DTYPES = (torch.int32, torch.int64)
 # Every dtype the torch composite counts into (index_add_'s on CPU): the kernels must take each.

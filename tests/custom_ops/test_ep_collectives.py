@@ -2,7 +2,7 @@
 
 One process: a slot with no process group (a group of one) shows the shapes, the padding
 and the masking; the multi-process behaviour (a graph following a 2 -> 4 -> 2 switch) is in
-``tests/runtime/elastic/test_scripted.py``. The variable-size ops (``ep_all_gatherv`` /
+``tests/eplb_reference/elastic/test_scripted.py``. The variable-size ops (``ep_all_gatherv`` /
 ``ep_reduce_scatterv``) run once over two gloo processes with unequal token counts.
 """
 
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from eplb_graph.custom_ops import EP_GROUPS
-from eplb_graph.runtime.launch import run_ranks
+from eplb_reference.runtime.launch import run_ranks
 
 
 class Slot:

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from eplb_graph import BatchFlags
 from eplb_graph.custom_ops import CPU_LAYER_KERNEL, LAYER_TABLES, layer_routing, native_routing, routing
-from eplb_graph.layer_lookup import LayerLookup, RoutedLayer
+from eplb_graph.core.layer_lookup import LayerLookup, RoutedLayer
 from tests.custom_ops.routing_cases import ROUTING_CASES, check_layer_kernel_follows_its_tables, random_tables
 from tests.routing_reference import map_to_physical_reference, record_load_reference
 
@@ -216,7 +216,7 @@ FOLLOWS = (
     "print(CPU_LAYER_KERNEL, 'torch.utils.cpp_extension' in sys.modules)\n"
     # a layer alive at exit dies during shutdown, after module globals are cleared
     "from eplb_graph import BatchFlags\n"
-    "from eplb_graph.layer_lookup import LayerLookup, RoutedLayer\n"
+    "from eplb_graph.core.layer_lookup import LayerLookup, RoutedLayer\n"
     "alive_at_exit = RoutedLayer('fresh.exit', LayerLookup(2, 3), BatchFlags())\n"
 )
 

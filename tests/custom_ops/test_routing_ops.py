@@ -236,7 +236,7 @@ def test_bad_arguments_raise_the_same_clear_error_on_every_kernel(name, bad, mes
      (torch.zeros(2, 2), "topk_ids must be int32 or int64, got torch.float32")],
 )
 def test_the_layer_op_checks_its_ids(ids, match):
-    from eplb_graph.layer_lookup import LayerLookup, RoutedLayer
+    from eplb_graph.core.layer_lookup import LayerLookup, RoutedLayer
 
     layer = RoutedLayer("checks.0", LayerLookup(4, 6), BatchFlags())
     try:

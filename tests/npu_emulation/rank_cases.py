@@ -12,8 +12,8 @@ def upstream_rearrange_moves_npu_experts_through_host_staging(rank, world_size, 
     from vllm.distributed.eplb.rebalance_execute import rearrange_expert_weights_inplace
     from vllm.distributed.parallel_state import get_ep_group, get_eplb_group
 
-    from eplb_graph.mover import GlooStagedCommunicator
-    from tests.runtime.multirank_cases import _setup
+    from eplb_graph.movement.mover import GlooStagedCommunicator
+    from tests.eplb_reference.runtime.multirank_cases import _setup
 
     torch.npu.set_device(rank)
     _, context = _setup(rank, world_size, init_method)

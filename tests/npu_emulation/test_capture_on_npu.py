@@ -1,11 +1,11 @@
-"""CapturedForward's graph-mode cases (tests/eplb_graph/test_graph_capture.py) on the emulated
+"""CapturedForward's graph-mode cases (tests/eplb_graph/graph/test_graph_capture.py) on the emulated
 device's NPUGraph: replays read the captured addresses, so an in-place commit is followed without
 recapture and a replaced table is recaptured and counted, from real ``npu`` data pointers."""
 
 import pytest
 
-from eplb_graph.graph_capture import NpuGraph, device_graph_factory
-from tests.eplb_graph import test_graph_capture as cases
+from eplb_graph.graph.graph_capture import NpuGraph, device_graph_factory
+from tests.eplb_graph.graph import test_graph_capture as cases
 
 DEVICE_CASES = [
     cases.test_replays_follow_in_place_moves_without_recapture,

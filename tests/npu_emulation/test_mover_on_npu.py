@@ -3,7 +3,7 @@ rearrangement through host staging, into the very storage the weights had."""
 
 import pytest
 
-from eplb_graph.runtime.launch import run_ranks
+from eplb_reference.runtime.launch import run_ranks
 from tests.npu_emulation import rank_cases
 
 

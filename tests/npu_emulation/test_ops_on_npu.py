@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from eplb_graph import BatchFlags
-from eplb_graph.layer_lookup import LayerLookup, RoutedLayer
+from eplb_graph.core.layer_lookup import LayerLookup, RoutedLayer
 from tests.custom_ops.routing_cases import flags, laid_out, random_tables
 from tests.routing_reference import map_to_physical_reference, record_load_reference
 

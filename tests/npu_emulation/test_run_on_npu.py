@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eplb_graph.runtime.cli import main
+from eplb_reference.cli import main
 from tests.npu_emulation import ACTIVATE_MODULE, MODULE_ENV
 
 
@@ -28,7 +28,7 @@ def test_graph_mode_on_npu_rearranges_between_replays_without_recapture(npu_emul
 
 
 def test_inductor_is_refused_on_npu_before_any_process_starts(npu_emulation, monkeypatch):
-    from eplb_graph.runtime.config import RunConfig
+    from eplb_reference.runtime.config import RunConfig
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # vLLM's CPU platform sets it in-process
 

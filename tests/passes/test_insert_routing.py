@@ -6,8 +6,8 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import eplb_graph
-from eplb_graph.models.hf import HF_FAMILIES, build_tiny_hf_model
-from eplb_graph.models.reference import ReferenceMoEConfig, build_reference_model
+from eplb_graph.tools.inspect_models import HF_FAMILIES, build_tiny_hf_model
+from eplb_reference.models.reference import ReferenceMoEConfig, build_reference_model
 from eplb_graph.passes.insert_routing import UnattributedRouterError, insert_eplb_routing
 from eplb_graph.passes.router_sites import RouterBinding, normalise_module_path
 from eplb_graph.passes.verify import verify
@@ -232,7 +232,7 @@ def test_unattributable_expert_topk_errors_in_strict_mode_and_warns_otherwise():
 
 
 def test_model_without_router_is_rejected_naming_what_was_searched():
-    with pytest.raises(ValueError, match="no MoE layer found in Sequential: searched for .*MoEBlock.*gate_up_proj"):
+    with pytest.raises(ValueError, match="no MoE layer found in Sequential: searched for .*gate_up_proj"):
         eplb_graph.enable(torch.nn.Sequential(torch.nn.Linear(4, 4)))
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import fx
 
 import eplb_graph
-from eplb_graph.models.reference import ReferenceMoEConfig, build_reference_model
+from eplb_reference.models.reference import ReferenceMoEConfig, build_reference_model
 from eplb_graph.passes.insert_routing import insert_eplb_routing
 from eplb_graph.passes.verify import EplbVerificationError, verify
 

@@ -1,0 +1,56 @@
+"""``runtime/elastic/cli.py``: the elastic flags, and what the elastic handlers refuse before anything starts.
+
+Bad plans, sizes and bounds through ``main`` are ``tests/eplb_reference/test_cli.py``'s; the runs
+themselves ``test_scripted.py``'s, ``test_server.py``'s and ``test_chaos.py``'s.
+"""
+
+import argparse
+
+import pytest
+
+from eplb_reference.cli import build_parser
+from eplb_reference.elastic.join import parse_store
+
+
+def test_the_elastic_flags_parse_with_their_defaults():
+    parser = build_parser()
+    args = parser.parse_args(["run", "--scale-plan", "2,4,2", "--kill", "3@150", "--kill", "0@20"])
+    assert (args.scale_plan, args.max_ranks, args.resize_deadline, args.hang_timeout, args.kill, args.chaos) == (
+        "2,4,2", None, 30.0, 10.0, ["3@150", "0@20"], None)
+    args = parser.parse_args(["run", "--chaos", "7", "--faults", "24"])
+    assert (args.chaos, args.faults) == (7, 24)
+    args = parser.parse_args(["serve", "--port", "9000", "--store-port", "29500"])
+    assert (args.host, args.port, args.store_port, args.max_ranks, args.mode) == ("127.0.0.1", 9000, 29500, None, "eager")
+    args = parser.parse_args(["join", "--store", "10.0.0.5:29500"])
+    assert (args.store, args.name) == ("10.0.0.5:29500", "ep")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--device", "npu"], "the NPU runtime needs torch_npu"), (["--policy-process"], "serve runs on the host"),
+    (["--hang-timeout", "-1"], "--hang-timeout must be > 0 seconds, got -1.0"),
+])
+def test_what_the_server_cannot_take_is_refused_before_it_starts(overrides, message, capsys, monkeypatch):
+    from eplb_reference.cli import main
+    from eplb_reference.elastic import server
+
+    monkeypatch.setattr(server.ElasticServer, "__init__", lambda *a, **k: pytest.fail("the server was built"))
+    assert main(["serve", *overrides]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("localhost", "--store takes HOST:PORT"), ("host:port", "--store takes HOST:PORT"), (":29500", "--store takes HOST:PORT"),
+    ("h:70000", "--store takes HOST:PORT"),
+])
+def test_a_store_address_that_is_not_one_is_refused(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_store(text)
+    assert parse_store("10.0.0.5:29500") == ("10.0.0.5", 29500) and parse_store("[::1]:80") == ("[::1]", 80)
+
+
+def test_joining_a_store_nobody_hosts_fails_with_a_clear_error(capsys):
+    from eplb_reference.cli import main
+
+    assert main(["join", "--store", "127.0.0.1:1", "--timeout", "1"]) == 2
+    assert "--store 127.0.0.1:1: no elastic run's store answers there" in capsys.readouterr().err
+    assert isinstance(build_parser(), argparse.ArgumentParser)

@@ -1,0 +1,170 @@
+"""``runtime/elastic/http.py`` (and ``completions.py``): vLLM's elastic endpoints and OpenAI's
+completions, their paths, bodies and status codes, over a stand-in server.
+
+The stand-in keeps this fast and exact about the HTTP contract; the server itself (processes,
+resizes, a member killed under traffic) is ``test_server.py``'s.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+
+from eplb_reference.elastic.http import make_app
+from eplb_reference.elastic.server import ScaleError, ServerStats
+
+
+class StandInServer:
+    """Generates token ``t + 1`` after a prompt ending in ``t``, as many as asked."""
+
+    def __init__(self) -> None:
+        self.ranks, self.scaling, self.error, self.stats = 2, False, None, ServerStats(requests_completed=3, members_fenced=1)
+        self.cfg = SimpleNamespace(vocab_size=64)
+        self.submitted: list = []
+        self.scaled: list = []
+        self.refuse: ScaleError | None = None
+
+    def progress(self):
+        return 42
+
+    def last_step_ms(self):
+        return 3.5
+
+    def eplb_rearrangements(self):
+        return 6
+
+    def balancedness(self):
+        return float("nan")  # no rearrangement finished yet
+
+    def in_flight(self):
+        return 5
+
+    def waiting(self):
+        return 1
+
+    def submit(self, prompt, max_new_tokens):
+        if not all(0 <= t < self.cfg.vocab_size for t in prompt):
+            raise ValueError("prompt token ids must be integers in [0, 64)")
+        self.submitted.append((prompt, max_new_tokens))
+        return len(self.submitted) - 1
+
+    def result(self, rid):
+        prompt, max_new_tokens = self.submitted[rid]
+        return {"token_ids": [prompt[-1] + 1 + i for i in range(max_new_tokens)], "matches_reference": True}
+
+    def generate(self, prompt, max_new_tokens):
+        if max_new_tokens > 8:
+            raise ValueError("prompt (1) + max_new_tokens (9) exceeds the server's 16 tokens per request")
+        return {"token_ids": [7] * max_new_tokens, "matches_reference": True, "member": 0}
+
+    def scale(self, new_size, drain_timeout=None):
+        if self.refuse is not None:
+            raise self.refuse
+        self.scaled.append((new_size, drain_timeout))
+        self.ranks = new_size
+        return f"Scaled to {new_size} data parallel engines"
+
+
+@pytest.fixture
+def server():
+    return StandInServer()
+
+
+@pytest.fixture
+def client(server):
+    return TestClient(make_app(server))
+
+
+def test_generate_returns_the_tokens_and_refuses_a_bad_request(client):
+    assert client.post("/v1/generate", json={"prompt_token_ids": [1], "max_new_tokens": 2}).json() == {
+        "token_ids": [7, 7], "matches_reference": True, "member": 0}
+    for body in ({"max_new_tokens": 2}, {"prompt_token_ids": "1 2"}, {"prompt_token_ids": [1], "max_new_tokens": 9}):
+        response = client.post("/v1/generate", json=body)
+        assert response.status_code == 400 and response.json()["error"]["code"] == 400
+
+
+def test_scale_answers_as_vllm_does(client, server):
+    response = client.post("/scale_elastic_ep", json={"new_data_parallel_size": 4, "drain_timeout": 30})
+    assert response.status_code == 200 and response.json() == {"message": "Scaled to 4 data parallel engines"}
+    assert server.scaled == [(4, 30)] and client.get("/health").json() == {"status": "ok", "ranks": 4}
+
+
+@pytest.mark.parametrize("body, message", [
+    ({}, "new_data_parallel_size is required"),
+    ({"new_data_parallel_size": 0}, "new_data_parallel_size must be a positive integer"),
+    ({"new_data_parallel_size": True}, "new_data_parallel_size must be a positive integer"),
+    ({"new_data_parallel_size": "4"}, "new_data_parallel_size must be a positive integer"),
+    ({"new_data_parallel_size": 4, "drain_timeout": 0}, "drain_timeout must be a positive integer"),
+])
+def test_a_bad_scale_body_is_a_400_naming_the_field(client, server, body, message):
+    response = client.post("/scale_elastic_ep", json=body)
+    assert response.status_code == 400
+    assert response.json() == {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+    assert server.scaled == []
+
+
+def test_a_body_that_is_not_json_is_a_400(client):
+    response = client.post("/scale_elastic_ep", content=b"{nope", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["message"] == "Invalid JSON format"
+
+
+@pytest.mark.parametrize("status", [400, 408, 409, 500])
+def test_the_servers_refusals_keep_their_status(client, server, status):
+    server.refuse = ScaleError(status, f"refused with {status}")
+    response = client.post("/scale_elastic_ep", json={"new_data_parallel_size": 3})
+    assert response.status_code == status and response.json()["error"]["message"] == f"refused with {status}"
+
+
+def test_is_scaling_and_metrics(client, server):
+    assert client.post("/is_scaling_elastic_ep").json() == {"is_scaling_elastic_ep": False}
+    server.scaling = True
+    assert client.post("/is_scaling_elastic_ep").json() == {"is_scaling_elastic_ep": True}
+    text = client.get("/metrics").text
+    assert "eplb_graph_ep_ranks 2.0" in text and "eplb_graph_requests_completed_total 3.0" in text
+    assert "eplb_graph_steps_total 42.0" in text and "eplb_graph_step_latency_ms 3.5" in text
+    assert "eplb_graph_rearrangements_total 6.0" in text and "eplb_graph_balancedness NaN" in text
+    assert "eplb_graph_members_fenced_total 1.0" in text and "eplb_graph_requests_duplicated_total 0.0" in text
+    assert "vllm:num_requests_running 5.0" in text and "vllm:num_requests_waiting 1.0" in text
+
+
+def test_health_says_when_the_coordinator_stopped(client, server):
+    server.error = RuntimeError("store lost")
+    response = client.get("/health")
+    assert response.status_code == 500 and "store lost" in response.json()["error"]
+
+
+def test_a_standard_openai_client_gets_greedy_completions(client, server):
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client)
+    assert [model.id for model in api.models.list()] == ["eplb-graph-reference"]
+    answer = api.completions.create(model="eplb-graph-reference", prompt="w5 w17 w40", max_tokens=3, temperature=0)
+    assert answer.choices[0].text == " w41 w42 w43" and answer.choices[0].finish_reason == "length"
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (3, 3)
+    assert server.submitted == [([5, 17, 40], 3)]
+    ids = api.completions.create(model="eplb-graph-reference", prompt=[7, 9], max_tokens=2, temperature=0)
+    assert ids.choices[0].text == " w10 w11"
+
+
+def test_a_streamed_completion_is_one_chunk_then_the_usage_then_done(client):
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client)
+    chunks = list(api.completions.create(model="eplb-graph-reference", prompt="w3", max_tokens=2, temperature=0,
+                                         stream=True, stream_options={"include_usage": True}))
+    assert [c.choices[0].text for c in chunks if c.choices] == [" w4 w5"]
+    assert chunks[-1].usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({"prompt": "w5", "max_tokens": 2}, 400, "decodes greedily only"),  # OpenAI's default temperature is 1
+    ({"prompt": "w5", "temperature": 0.7}, 400, "decodes greedily only"),
+    ({"prompt": "w5", "temperature": 0, "n": 2}, 400, "decodes greedily only"),
+    ({"prompt": "hello", "temperature": 0}, 400, "prompt words ['hello'] are not in the vocabulary"),
+    ({"prompt": ["w5", "w6"], "temperature": 0}, 400, "one prompt per request"),
+    ({"prompt": "w5", "temperature": 0, "max_tokens": 0}, 400, "max_tokens must be a positive integer"),
+    ({"prompt": [99], "temperature": 0}, 400, "prompt token ids must be integers in [0, 64)"),
+    ({"model": "gpt-4", "prompt": "w5", "temperature": 0}, 404, "The model `gpt-4` does not exist."),
+])
+def test_a_completion_the_server_cannot_serve_is_refused_before_it_is_queued(client, server, body, status, message):
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == status and message in response.json()["error"]["message"]
+    assert server.submitted == []

@@ -1,0 +1,40 @@
+"""``runtime/elastic/join.py``: a member started outside the server's process tree, as a second
+machine would start it (here on localhost), joins a resize and serves."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from eplb_reference.runtime.config import RunConfig
+from eplb_reference.elastic.server import ElasticServer
+
+
+@pytest.mark.alone  # hangs are detected within bounds in seconds: a starved member would look hung
+@pytest.mark.launches
+def test_a_member_joined_from_outside_serves_after_a_resize_and_is_fenced_like_any_other():
+    server = ElasticServer(RunConfig(mode="eager", ranks=2), 3, spares=0, deadline_s=120, hang_s=5.0).start()
+    address = f"{server.spec.store_host}:{server.spec.store_port}"
+    outside = subprocess.Popen([sys.executable, "-m", "eplb_reference.cli", "join", "--store", address],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not server.coordinator.spares:  # it offers itself once warm
+            assert outside.poll() is None and time.monotonic() < deadline, outside.stdout.read()
+            time.sleep(0.1)
+        (member,) = server.coordinator.spares
+        assert member not in server.coordinator.processes.children  # not one of the server's processes
+        assert server.scale(3) == "Scaled to 3 data parallel engines" and member in server.coordinator.members
+        answers = [server.generate([5 + i, 6], 3) for i in range(6)]  # round robin: some on the outside member
+        assert all(a["matches_reference"] for a in answers) and member in {a["member"] for a in answers}
+        server.coordinator.processes.kill(member)  # on the coordinator's host it is reachable by its pid
+        deadline = time.monotonic() + 120
+        while member in server.coordinator.members:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert server.ranks == 2 and server.generate([7, 8], 2)["matches_reference"]
+    finally:
+        server.shutdown()
+        outside.kill()
+        outside.wait(30)
