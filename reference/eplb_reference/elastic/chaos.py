@@ -7,9 +7,9 @@ keep sending requests. It passes only if every request was answered exactly once
 token was the reference decoder's greedy choice, nothing recompiled, and each fault was
 detected and served around within its bound.
 
-A member's main thread is made to hang by SIGUSR1 (``install_member_faults``, only in the
-members of a run with ``chaos`` on): its handler blocks the main thread forever, as a deadlock
-would, while the keep-alive thread goes on beating.
+A member's main thread is made to hang by SIGUSR1 (``member_faults.install_member_faults``, only
+in the members of a run with ``chaos`` on): its handler blocks the main thread forever, as a
+deadlock would, while the keep-alive thread goes on beating.
 """
 
 from __future__ import annotations
@@ -31,11 +31,6 @@ log = logging.getLogger("eplb_graph.elastic.chaos")
 ACTIONS = ("resize", "kill", "kill_rank0", "stop", "hang", "kill_spare", "stop_spare", "kill_joiner",
            "kill_in_resize", "kill_in_recovery")
 FAULTS_PER_ACTION = {"resize": 0, "kill_in_recovery": 2}  # every other action is one fault
-
-
-def install_member_faults() -> None:
-    """SIGUSR1 hangs this process's main thread (its other threads run on)."""
-    signal.signal(signal.SIGUSR1, lambda signum, frame: threading.Event().wait())
 
 
 def schedule(seed: int, faults: int) -> list[str]:

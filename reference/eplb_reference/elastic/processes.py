@@ -24,6 +24,7 @@ from multiprocessing.process import BaseProcess
 
 import torch
 
+from eplb_reference.elastic.member_faults import install_member_faults
 from eplb_reference.elastic.protocol import Board
 from eplb_reference.elastic.spec import ElasticSpec
 from eplb_reference.runtime.process_start import LauncherState, process_context, start_fork_server
@@ -43,8 +44,6 @@ def member_main(member: int, spec: ElasticSpec, first_generation: int | None, bo
     faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack
     board = board or spec.connect()
     if spec.chaos:
-        from eplb_reference.elastic.chaos import install_member_faults
-
         install_member_faults()
     torch.set_num_threads(1)
     try:
