@@ -45,20 +45,20 @@ def parse_shape(text: str) -> tuple[int, int]:
         raise SystemExit(f"bench_commit: --shapes takes LOGICAL+REDUNDANT, got {text!r}") from None
 
 
-def random_placements(num_logical: int, num_redundant: int, count: int, seed: int) -> list[torch.Tensor]:
+def random_placements(num_logical: int, num_redundant_experts: int, count: int, seed: int) -> list[torch.Tensor]:
     """Valid placements as a policy returns them: every expert once, hot ones again, shuffled."""
     gen = torch.Generator().manual_seed(seed)
     placements = []
     for _ in range(count):
-        extra = torch.randint(0, num_logical, (num_redundant,), generator=gen)
+        extra = torch.randint(0, num_logical, (num_redundant_experts,), generator=gen)
         placement = torch.cat([torch.arange(num_logical), extra])
         placements.append(placement[torch.randperm(placement.numel(), generator=gen)])
     return placements
 
 
-def upstream_model_state(num_logical: int, num_redundant: int, num_layers: int) -> SimpleNamespace:
+def upstream_model_state(num_logical: int, num_redundant_experts: int, num_layers: int) -> SimpleNamespace:
     """The three maps of upstream's ``EplbModelState`` that a layer commit writes."""
-    placement = initial_placement(num_logical, num_redundant)
+    placement = initial_placement(num_logical, num_redundant_experts)
     return SimpleNamespace(
         physical_to_logical_map=placement.repeat(num_layers, 1),  # [L, P]
         logical_to_physical_map=torch.full((num_layers, num_logical, UPSTREAM_WIDTH), -1, dtype=torch.int64),
@@ -66,16 +66,16 @@ def upstream_model_state(num_logical: int, num_redundant: int, num_layers: int) 
     )
 
 
-def bench_shape(num_logical: int, num_redundant: int, rounds: int, num_layers: int = 2) -> dict:
+def bench_shape(num_logical: int, num_redundant_experts: int, rounds: int, num_layers: int = 2) -> dict:
     from vllm.distributed.eplb import eplb_state
 
     from eplb_graph.upstream.capability import UpstreamCapabilityAdapter
 
     upstream_commit = eplb_state._commit_eplb_maps_for_layer
     upstream_inversion = eplb_state.compute_logical_maps
-    lookups = {name: [LayerLookup(num_logical, num_logical + num_redundant) for _ in range(num_layers)]
+    lookups = {name: [LayerLookup(num_logical, num_logical + num_redundant_experts) for _ in range(num_layers)]
                for name in ("upstream", "adapter")}
-    states = {name: upstream_model_state(num_logical, num_redundant, num_layers) for name in lookups}
+    states = {name: upstream_model_state(num_logical, num_redundant_experts, num_layers) for name in lookups}
 
     def refresh(name):
         def commit_hook(model_state, layer):
@@ -92,7 +92,7 @@ def bench_shape(num_logical: int, num_redundant: int, rounds: int, num_layers: i
     def commit_adapter(placement, layer):  # with the adapter installed: the names it patched
         eplb_state._commit_eplb_maps_for_layer(states["adapter"], new_physical_to_logical_map=placement, layer=layer)
 
-    placements = random_placements(num_logical, num_redundant, count=8, seed=num_logical)
+    placements = random_placements(num_logical, num_redundant_experts, count=8, seed=num_logical)
     samples = {"upstream": [], "adapter": []}
     inversion = {"upstream": [], "adapter": []}
     compared = 0
@@ -126,7 +126,7 @@ def bench_shape(num_logical: int, num_redundant: int, rounds: int, num_layers: i
     inversion_p50 = {name: statistics.median(s) * 1e3 for name, s in inversion.items()}
     return {
         "num_logical": num_logical,
-        "num_redundant": num_redundant,
+        "num_redundant_experts": num_redundant_experts,
         "rounds": rounds,
         "commit_upstream_p50_ms": round(p50["upstream"], 4),
         "commit_adapter_p50_ms": round(p50["adapter"], 4),
@@ -142,11 +142,11 @@ def check_arguments(args: argparse.Namespace) -> list[tuple[int, int]]:
     if args.rounds < 1:
         raise SystemExit(f"bench_commit: --rounds must be >= 1, got {args.rounds}")
     shapes = [parse_shape(text) for text in args.shapes]
-    for num_logical, num_redundant in shapes:
+    for num_logical, num_redundant_experts in shapes:
         try:
-            check_expert_layout(num_logical, num_redundant, top_k=1, ranks=1)
+            check_expert_layout(num_logical, num_redundant_experts, top_k=1, ranks=1)
         except ValueError as error:
-            raise SystemExit(f"bench_commit: --shapes {num_logical}+{num_redundant}: {error}") from None
+            raise SystemExit(f"bench_commit: --shapes {num_logical}+{num_redundant_experts}: {error}") from None
     return shapes
 
 
@@ -158,13 +158,13 @@ def main() -> None:
     args = parser.parse_args()
     shapes = check_arguments(args)
     torch.set_num_threads(1)
-    results = [bench_shape(num_logical, num_redundant, args.rounds) for num_logical, num_redundant in shapes]
+    results = [bench_shape(num_logical, num_redundant_experts, args.rounds) for num_logical, num_redundant_experts in shapes]
     report = {"torch": torch.__version__, "machine": platform.machine(), "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"{'experts':>10} {'upstream ms':>12} {'adapter ms':>11} {'ratio':>7} {'inversion up/ours ms':>22}")
     for r in results:
-        print(f"{r['num_logical']:>6}+{r['num_redundant']:<3} {r['commit_upstream_p50_ms']:>12.3f} "
+        print(f"{r['num_logical']:>6}+{r['num_redundant_experts']:<3} {r['commit_upstream_p50_ms']:>12.3f} "
               f"{r['commit_adapter_p50_ms']:>11.3f} {r['commit_upstream_over_adapter']:>7.2f} "
               f"{r['inversion_upstream_p50_ms']:>12.3f} / {r['inversion_adapter_p50_ms']:.3f}")
     print(f"wrote {args.out}")

@@ -36,10 +36,10 @@ def _time_per_call(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def bench(num_tokens: int, top_k: int, num_logical: int, num_redundant: int, rounds: int, device: str) -> dict:
+def bench(num_tokens: int, top_k: int, num_logical: int, num_redundant_experts: int, rounds: int, device: str) -> dict:
     gen = torch.Generator().manual_seed(num_tokens)
-    placement = torch.cat([torch.arange(num_logical), torch.randint(0, num_logical, (num_redundant,), generator=gen)])
-    layer = LayerLookup(num_logical, num_logical + num_redundant, placement=placement, device=device)
+    placement = torch.cat([torch.arange(num_logical), torch.randint(0, num_logical, (num_redundant_experts,), generator=gen)])
+    layer = LayerLookup(num_logical, num_logical + num_redundant_experts, placement=placement, device=device)
     batch = BatchFlags(device)
     batch.set_(record=True, num_unpadded_tokens=num_tokens)
     ids = torch.randint(0, num_logical, (num_tokens, top_k), generator=gen).to(device)  # [T, K]
@@ -81,7 +81,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.rounds < 1:
         raise SystemExit(f"bench_routing_ops: --rounds must be >= 1, got {args.rounds}")
     try:
-        check_expert_layout(args.num_logical, args.num_redundant, args.top_k, ranks=1)
+        check_expert_layout(args.num_logical, args.num_redundant_experts, args.top_k, ranks=1)
     except ValueError as error:
         raise SystemExit(f"bench_routing_ops: {error}") from None
     if args.device not in ("cpu", "cuda"):
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096])
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--num-logical", type=int, default=256)
-    parser.add_argument("--num-redundant", type=int, default=32)
+    parser.add_argument("--num-redundant-experts", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=Path("out/bench_routing_ops.json"))
@@ -104,7 +104,7 @@ def main() -> None:
 
     torch.set_num_threads(1)  # the two sides compete for nothing; ratios are per-thread work
     results = [
-        bench(t, args.top_k, args.num_logical, args.num_redundant, args.rounds, args.device) for t in args.tokens
+        bench(t, args.top_k, args.num_logical, args.num_redundant_experts, args.rounds, args.device) for t in args.tokens
     ]
     report = {
         "benchmark": "map_and_record registered op vs inline torch composite (eager)",
@@ -115,7 +115,7 @@ def main() -> None:
         "eplb_graph": getattr(eplb_graph, "__version__", "0.1.0"),
         "machine": platform.processor() or platform.machine(),
         "num_logical": args.num_logical,
-        "num_redundant": args.num_redundant,
+        "num_redundant_experts": args.num_redundant_experts,
         "results": results,
         # null when no size with a target was asked for (--tokens): nothing was held to one
         "all_targets_met": all(r["meets_target"] for r in results if "meets_target" in r)

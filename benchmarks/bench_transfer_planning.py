@@ -73,25 +73,25 @@ class RecordingCommunicator:
         return (row.data_ptr() - of.data_ptr()) // (of.stride(0) * of.element_size())
 
 
-def placement_pairs(num_logical: int, num_redundant: int, count: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def placement_pairs(num_logical: int, num_redundant_experts: int, count: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """(old, new) placements as a rearrangement moves between them: every expert once, hot ones
     again, shuffled; each pair's new placement is the next pair's old one."""
     rng = np.random.default_rng(seed)
     placements = []
     for _ in range(count + 1):
-        placement = np.concatenate([np.arange(num_logical), rng.integers(0, num_logical, num_redundant)])
+        placement = np.concatenate([np.arange(num_logical), rng.integers(0, num_logical, num_redundant_experts)])
         placements.append(rng.permutation(placement))
     return list(zip(placements[:-1], placements[1:]))
 
 
-def bench_shape(num_logical: int, num_redundant: int, ranks: int, rounds: int) -> dict:
+def bench_shape(num_logical: int, num_redundant_experts: int, ranks: int, rounds: int) -> dict:
     from vllm.distributed.eplb import rebalance_execute
 
     from eplb_graph.upstream.capability import UpstreamCapabilityAdapter
 
-    num_local = (num_logical + num_redundant) // ranks
+    num_local = (num_logical + num_redundant_experts) // ranks
     adapter = UpstreamCapabilityAdapter(torch.device("cpu"), commit_hook=lambda model_state, layer: None)
-    pairs = placement_pairs(num_logical, num_redundant, count=8, seed=num_logical + ranks)
+    pairs = placement_pairs(num_logical, num_redundant_experts, count=8, seed=num_logical + ranks)
     weight = torch.randn(num_local, HIDDEN)
     samples = {"upstream": [], "adapter": []}
     posted_per_layer = []
@@ -124,7 +124,7 @@ def bench_shape(num_logical: int, num_redundant: int, ranks: int, rounds: int) -
     p50 = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
     return {
         "num_logical": num_logical,
-        "num_redundant": num_redundant,
+        "num_redundant_experts": num_redundant_experts,
         "ranks": ranks,
         "local_experts": num_local,
         "rounds": rounds,
@@ -141,11 +141,11 @@ def check_arguments(args: argparse.Namespace) -> list[tuple[int, int, int]]:
     if args.rounds < 1:
         raise SystemExit(f"bench_transfer_planning: --rounds must be >= 1, got {args.rounds}")
     shapes = [parse_shape(text) for text in args.shapes]
-    for num_logical, num_redundant, ranks in shapes:
+    for num_logical, num_redundant_experts, ranks in shapes:
         try:
-            check_expert_layout(num_logical, num_redundant, top_k=1, ranks=ranks)
+            check_expert_layout(num_logical, num_redundant_experts, top_k=1, ranks=ranks)
         except ValueError as error:
-            raise SystemExit(f"bench_transfer_planning: --shapes {num_logical}+{num_redundant}x{ranks}: {error}") from None
+            raise SystemExit(f"bench_transfer_planning: --shapes {num_logical}+{num_redundant_experts}x{ranks}: {error}") from None
     return shapes
 
 
@@ -163,7 +163,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"{'experts x ranks':>16} {'upstream ms':>12} {'adapter ms':>11} {'ratio':>7} {'sends+recvs':>12}")
     for r in results:
-        shape = f"{r['num_logical']}+{r['num_redundant']}x{r['ranks']}"
+        shape = f"{r['num_logical']}+{r['num_redundant_experts']}x{r['ranks']}"
         print(f"{shape:>16} {r['plan_upstream_p50_ms']:>12.3f} {r['plan_adapter_p50_ms']:>11.3f} "
               f"{r['upstream_over_adapter']:>7.2f} {r['posted_per_layer_p50']:>12}")
     print(f"wrote {args.out}")

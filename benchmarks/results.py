@@ -123,7 +123,7 @@ def headline(record: dict) -> str:
             rows.append(["registered op / inline math, T=16", t16["ratio"], "<= 1.5", "`bench_routing_ops.py`"])
     if commit:
         largest = commit["results"][-1]
-        rows.append([f"layer commit, {largest['num_logical']} + {largest['num_redundant']} experts: upstream / ours ms",
+        rows.append([f"layer commit, {largest['num_logical']} + {largest['num_redundant_experts']} experts: upstream / ours ms",
                      f"{largest['commit_upstream_p50_ms']} / {largest['commit_adapter_p50_ms']}", "-", "`bench_commit.py`"])
     elastic = record.get("elastic")
     if elastic:

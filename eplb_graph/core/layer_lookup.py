@@ -79,7 +79,7 @@ class LayerLookup:
     load:           [num_physical] executed tokens per physical expert since last reset
     physical_to_logical: [num_physical] int64 on the host, the placement now routed by
 
-    ``max_replicas`` defaults to num_redundant + 1, the most one expert can ever have
+    ``max_replicas`` defaults to num_redundant_experts + 1, the most one expert can ever have
     (upstream pads every layer to 1024 slots; a tight table keeps the gather small).
     """
 
@@ -94,14 +94,14 @@ class LayerLookup:
         load_dtype: torch.dtype = torch.int64,
         allow_empty_slots: bool = False,
     ) -> None:
-        num_redundant = num_physical_experts - num_logical_experts
-        if num_logical_experts <= 0 or num_redundant < 0:
+        num_redundant_experts = num_physical_experts - num_logical_experts
+        if num_logical_experts <= 0 or num_redundant_experts < 0:
             raise ValueError(
                 f"need 0 < num_logical_experts <= num_physical_experts, got "
                 f"{num_logical_experts} and {num_physical_experts}"
             )
         if max_replicas is None:
-            max_replicas = num_redundant + 1
+            max_replicas = num_redundant_experts + 1
         if not 1 <= max_replicas:
             raise ValueError(f"max_replicas must be >= 1, got {max_replicas}")
         self.num_logical_experts = num_logical_experts
@@ -113,7 +113,7 @@ class LayerLookup:
         self.load = torch.zeros(num_physical_experts, dtype=load_dtype, device=device)
         self.physical_to_logical = torch.empty(num_physical_experts, dtype=torch.int64)
         self.routed_as: set[str] = set()  # keys of the RoutedLayers over these tables
-        self.refresh_(initial_placement(num_logical_experts, num_redundant) if placement is None else placement)
+        self.refresh_(initial_placement(num_logical_experts, num_redundant_experts) if placement is None else placement)
 
     @property
     def device(self) -> torch.device:

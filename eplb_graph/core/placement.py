@@ -19,19 +19,19 @@ if TYPE_CHECKING:
     from eplb_graph.core.layer_lookup import LayerLookup
 
 
-def check_expert_layout(num_logical: int, num_redundant: int, top_k: int, ranks: int) -> None:
+def check_expert_layout(num_logical: int, num_redundant_experts: int, top_k: int, ranks: int) -> None:
     """Expert counts as a run, a stack or the demo is configured with: ValueError naming what is
     wrong, before any process or table exists."""
     if num_logical < 1:
         raise ValueError(f"experts must be >= 1, got {num_logical}")
-    if num_redundant < 0:
-        raise ValueError(f"redundant experts must be >= 0, got {num_redundant}")
+    if num_redundant_experts < 0:
+        raise ValueError(f"redundant experts must be >= 0, got {num_redundant_experts}")
     if not 0 < top_k <= num_logical:
         raise ValueError(f"top_k must be in [1, {num_logical}], got {top_k}")
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
-    if (num_logical + num_redundant) % ranks:
-        raise ValueError(f"{num_logical + num_redundant} physical experts do not divide over {ranks} ranks")
+    if (num_logical + num_redundant_experts) % ranks:
+        raise ValueError(f"{num_logical + num_redundant_experts} physical experts do not divide over {ranks} ranks")
 
 
 def initial_placement(num_logical_experts: int, num_redundant_experts: int) -> torch.Tensor:

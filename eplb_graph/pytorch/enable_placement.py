@@ -38,7 +38,7 @@ def model_identity(model: nn.Module, specs: list[MoELayerSpec], options: EplbOpt
 
 def kept_placement(path: str | os.PathLike, identity: PlacementIdentity) -> PlacementRecord:
     """A placement file that fits ``identity``, each layer's placement checked as its lookup
-    will hold it (at most num_redundant + 1 replicas of an expert); PlacementFileError naming why not."""
+    will hold it (at most num_redundant_experts + 1 replicas of an expert); PlacementFileError naming why not."""
     record = load(path)
     check_fits(record, identity, path)
     max_replicas = identity.num_physical_experts - identity.num_logical_experts + 1  # LayerLookup's default

@@ -21,7 +21,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     report = run_demo(
         num_logical=args.experts,
-        num_redundant=args.redundant,
+        num_redundant_experts=args.redundant,
         ranks=args.ranks,
         steps=args.steps,
         backend=args.backend,

@@ -23,7 +23,7 @@ LAYOUTS = ("contiguous", "transposed", "strided")
 # Hypothesis arguments of a routing case: table sizes, a batch, its flags, the ids' dtype.
 ROUTING_CASES = dict(
     num_logical=st.integers(1, 12),
-    num_redundant=st.integers(0, 6),
+    num_redundant_experts=st.integers(0, 6),
     num_tokens=st.integers(0, 40),
     top_k=st.integers(1, 8),
     num_unpadded=st.integers(0, 50),
@@ -33,13 +33,13 @@ ROUTING_CASES = dict(
 )
 
 
-def random_tables(num_logical: int, num_redundant: int, seed: int):
+def random_tables(num_logical: int, num_redundant_experts: int, seed: int):
     """A random valid placement and its tables: every expert once, extra slots random."""
     gen = torch.Generator().manual_seed(seed)
-    extra = torch.randint(0, num_logical, (num_redundant,), generator=gen)
-    placement = torch.cat([torch.arange(num_logical), extra])[torch.randperm(num_logical + num_redundant, generator=gen)]
-    max_replicas = num_redundant + 1
-    placement = validate_placement(placement, num_logical, num_logical + num_redundant, max_replicas)
+    extra = torch.randint(0, num_logical, (num_redundant_experts,), generator=gen)
+    placement = torch.cat([torch.arange(num_logical), extra])[torch.randperm(num_logical + num_redundant_experts, generator=gen)]
+    max_replicas = num_redundant_experts + 1
+    placement = validate_placement(placement, num_logical, num_logical + num_redundant_experts, max_replicas)
     lookup, replica_count = build_lookup(placement, num_logical, max_replicas)
     return placement, lookup, replica_count
 

@@ -55,11 +55,11 @@ def test_every_cpu_op_is_served_by_the_cpp_kernel(name):
     flag_dtype=st.sampled_from([torch.bool, torch.int32]),
 )
 def test_the_cpp_layer_kernel_matches_the_reference_and_the_composite(
-    num_logical, num_redundant, num_tokens, top_k, num_unpadded, record, seed, id_dtype, load_dtype, transposed,
+    num_logical, num_redundant_experts, num_tokens, top_k, num_unpadded, record, seed, id_dtype, load_dtype, transposed,
     flag_dtype,
 ):
-    placement, _, _ = random_tables(num_logical, num_redundant, seed)
-    tables = LayerLookup(num_logical, num_logical + num_redundant, placement=placement, load_dtype=load_dtype)
+    placement, _, _ = random_tables(num_logical, num_redundant_experts, seed)
+    tables = LayerLookup(num_logical, num_logical + num_redundant_experts, placement=placement, load_dtype=load_dtype)
     flags = BatchFlags.sharing(torch.tensor([record], dtype=flag_dtype), torch.tensor(num_unpadded, dtype=torch.int32))
     layer = RoutedLayer("native.ref", tables, flags)
     gen = torch.Generator().manual_seed(seed)

@@ -78,17 +78,17 @@ def test_opcheck_strided_ids_and_tables(id_dtype, load_dtype):
     tables_layout=st.sampled_from(["contiguous", "strided"]),
 )
 def test_map_and_record_matches_python_reference(
-    num_logical, num_redundant, num_tokens, top_k, num_unpadded, record, seed, id_dtype, load_dtype, flag_shape,
+    num_logical, num_redundant_experts, num_tokens, top_k, num_unpadded, record, seed, id_dtype, load_dtype, flag_shape,
     ids_layout, tables_layout,
 ):
-    _, lookup, replica_count = random_tables(num_logical, num_redundant, seed)
+    _, lookup, replica_count = random_tables(num_logical, num_redundant_experts, seed)
     lookup, replica_count = laid_out(lookup, tables_layout), laid_out(replica_count, tables_layout)
     gen = torch.Generator().manual_seed(seed)
     # ids out of range on both sides are part of the input space
     ids = torch.randint(-3, num_logical + 3, (num_tokens, top_k), generator=gen, dtype=id_dtype)
     ids = laid_out(ids, ids_layout)
     record_enabled, num_unpadded_tokens = flags(record, num_unpadded, flag_shape)
-    load = torch.zeros(num_logical + num_redundant, dtype=load_dtype)
+    load = torch.zeros(num_logical + num_redundant_experts, dtype=load_dtype)
 
     physical = ops.map_and_record(ids, lookup, replica_count, load, record_enabled, num_unpadded_tokens)
 

@@ -41,7 +41,7 @@ cpu_ops = torch.ops.eplb_graph
 @settings(max_examples=40, deadline=None)
 @given(
     num_logical=st.integers(1, 12),
-    num_redundant=st.integers(0, 6),
+    num_redundant_experts=st.integers(0, 6),
     num_tokens=st.integers(0, 80),  # up to 640 (token, k) slots: three 256-slot programs
     top_k=st.integers(1, 8),
     num_unpadded=st.integers(0, 90),
@@ -52,13 +52,13 @@ cpu_ops = torch.ops.eplb_graph
     flag_shape=st.sampled_from([(), (1,)]),
 )
 def test_kernel_matches_the_python_reference_and_the_cpu_kernel(
-    num_logical, num_redundant, num_tokens, top_k, num_unpadded, record, seed, id_dtype, load_dtype, flag_shape
+    num_logical, num_redundant_experts, num_tokens, top_k, num_unpadded, record, seed, id_dtype, load_dtype, flag_shape
 ):
-    _, lookup, replica_count = random_tables(num_logical, num_redundant, seed)
+    _, lookup, replica_count = random_tables(num_logical, num_redundant_experts, seed)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(-3, num_logical + 3, (num_tokens, top_k), generator=gen, dtype=id_dtype)  # [T, K]
     record_enabled, num_unpadded_tokens = flags(record, num_unpadded, flag_shape)
-    load = torch.zeros(num_logical + num_redundant, dtype=load_dtype)
+    load = torch.zeros(num_logical + num_redundant_experts, dtype=load_dtype)
     cpu_load = torch.zeros_like(load)
 
     physical = map_and_record_cuda(ids, lookup, replica_count, load, record_enabled, num_unpadded_tokens)

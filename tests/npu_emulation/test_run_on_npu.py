@@ -35,5 +35,5 @@ def test_inductor_is_refused_on_npu_before_any_process_starts(npu_emulation, mon
     with pytest.raises(ValueError, match="Inductor has no NPU code generation"):
         RunConfig(device="npu", mode="graph", backend="inductor").validate()
     with pytest.raises(ValueError, match="9 ranks need 9 NPUs"):
-        RunConfig(device="npu", mode="graph", backend="aot_eager", ranks=9, num_experts=18, num_redundant=0,
+        RunConfig(device="npu", mode="graph", backend="aot_eager", ranks=9, num_experts=18, num_redundant_experts=0,
                   ).validate()

@@ -73,7 +73,7 @@ def render_op_in_step(r: dict) -> str:
 
 def render_commit(r: dict) -> str:
     return table(["experts", "commit as shipped p50 ms", "under the adapter p50 ms", "ratio", "inversion upstream / ours ms"],
-                 [[f"{x['num_logical']} + {x['num_redundant']}", x["commit_upstream_p50_ms"], x["commit_adapter_p50_ms"],
+                 [[f"{x['num_logical']} + {x['num_redundant_experts']}", x["commit_upstream_p50_ms"], x["commit_adapter_p50_ms"],
                    x["commit_upstream_over_adapter"], f"{x['inversion_upstream_p50_ms']} / {x['inversion_adapter_p50_ms']}"]
                   for x in r["results"]])
 
@@ -81,7 +81,7 @@ def render_commit(r: dict) -> str:
 def render_transfer_planning(r: dict) -> str:
     return table(["experts x ranks", "move_to_buffer as shipped p50 ms", "under the adapter p50 ms", "ratio",
                   "sends + receives posted"],
-                 [[f"{x['num_logical']} + {x['num_redundant']} x {x['ranks']}", x["plan_upstream_p50_ms"],
+                 [[f"{x['num_logical']} + {x['num_redundant_experts']} x {x['ranks']}", x["plan_upstream_p50_ms"],
                    x["plan_adapter_p50_ms"], x["upstream_over_adapter"], x["posted_per_layer_p50"]] for x in r["results"]])
 
 

@@ -14,7 +14,7 @@ from eplb_reference.runtime.config import DEVICES, MODES, RunConfig
 def run_config(args: argparse.Namespace, **overrides) -> RunConfig:
     fields = dict(
         mode=args.mode, device=args.device, ranks=args.ranks, steps=args.steps, weight_format=args.format,
-        num_experts=args.experts, num_redundant=args.redundant, top_k=args.top_k, num_layers=args.layers,
+        num_experts=args.experts, num_redundant_experts=args.redundant, top_k=args.top_k, num_layers=args.layers,
         seed=args.seed, step_interval=args.interval, window_size=args.interval, hidden=args.hidden,
         expert_intermediate=args.intermediate, shared_expert_intermediate=args.intermediate,
         decode_tokens=args.decode_tokens, prefill_tokens=args.prefill_tokens, capture_sizes=args.capture_sizes,

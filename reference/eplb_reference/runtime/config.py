@@ -30,7 +30,7 @@ class RunConfig:
     steps: int = 300
     num_layers: int = 2
     num_experts: int = 16
-    num_redundant: int = 4  # 25 % redundant experts
+    num_redundant_experts: int = 4  # 25 % redundant experts
     top_k: int = 4
     hidden: int = 64
     expert_intermediate: int = 64
@@ -81,7 +81,7 @@ class RunConfig:
 
     @property
     def num_physical(self) -> int:
-        return self.num_experts + (self.num_redundant if self.eplb else 0)
+        return self.num_experts + (self.num_redundant_experts if self.eplb else 0)
 
     def model_config(self) -> ReferenceMoEConfig:
         """The reference decoder's config, checked on construction."""

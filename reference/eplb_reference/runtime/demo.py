@@ -45,11 +45,11 @@ class DemoRouter:
     """The reference decoder's embedding and first router over a ``LayerLookup``, and the runtime's
     skewed workload (a hot vocabulary slice, so a hot set of experts) over its vocabulary."""
 
-    def __init__(self, num_logical: int, num_redundant: int, top_k: int, tokens: int, seed: int) -> None:
+    def __init__(self, num_logical: int, num_redundant_experts: int, top_k: int, tokens: int, seed: int) -> None:
         config = ReferenceMoEConfig(num_layers=1, num_experts=num_logical, top_k=top_k)
         model = build_reference_model(config, seed=seed)
         self.embed, self.gate = model.embed, model.layers[0].mlp.gate
-        self.layer = LayerLookup(num_logical, num_logical + num_redundant)
+        self.layer = LayerLookup(num_logical, num_logical + num_redundant_experts)
         self.flags = BatchFlags()
         self.flags.set_(record=True, num_unpadded_tokens=tokens)
         self.workload = WorkloadSpec(vocab_size=config.vocab_size, seed=seed, capture_sizes=(tokens,),
@@ -69,7 +69,7 @@ class DemoRouter:
 def run_demo(
     *,
     num_logical: int = 64,
-    num_redundant: int = 16,
+    num_redundant_experts: int = 16,
     ranks: int = 4,
     top_k: int = 4,
     tokens: int = 128,
@@ -79,12 +79,12 @@ def run_demo(
 ) -> DemoReport:
     from vllm.distributed.eplb.policy.default import DefaultEplbPolicy
 
-    check_expert_layout(num_logical, num_redundant, top_k, ranks)
+    check_expert_layout(num_logical, num_redundant_experts, top_k, ranks)
     for name, value in (("steps", steps), ("tokens", tokens)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    num_physical = num_logical + num_redundant
-    router = DemoRouter(num_logical, num_redundant, top_k, tokens, seed)
+    num_physical = num_logical + num_redundant_experts
+    router = DemoRouter(num_logical, num_redundant_experts, top_k, tokens, seed)
     layer = router.layer
     compiled = torch.compile(router.route, backend=backend, fullgraph=True)
     workload = [make_batch(router.workload, step, 0).tokens for step in range(steps)]

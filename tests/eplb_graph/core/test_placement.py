@@ -22,9 +22,9 @@ def placement_batches(draw):
 def test_initial_placement_matches_upstream_vllm():
     EplbState = pytest.importorskip("vllm.distributed.eplb.eplb_state").EplbState
 
-    for num_logical, num_redundant in [(8, 0), (8, 3), (4, 9)]:
-        upstream = EplbState.build_initial_global_physical_to_logical_map(num_logical, num_redundant)
-        assert initial_placement(num_logical, num_redundant).tolist() == list(upstream)
+    for num_logical, num_redundant_experts in [(8, 0), (8, 3), (4, 9)]:
+        upstream = EplbState.build_initial_global_physical_to_logical_map(num_logical, num_redundant_experts)
+        assert initial_placement(num_logical, num_redundant_experts).tolist() == list(upstream)
 
 
 def test_lookup_matches_upstream_compute_logical_maps():

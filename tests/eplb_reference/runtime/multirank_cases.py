@@ -7,7 +7,7 @@ import torch
 
 
 # The movement tests' model: small enough to step eagerly, hot experts drifting every 10 steps.
-MOVEMENT = dict(mode="eager", num_layers=2, num_experts=8, num_redundant=4, hidden=32, expert_intermediate=16,
+MOVEMENT = dict(mode="eager", num_layers=2, num_experts=8, num_redundant_experts=4, hidden=32, expert_intermediate=16,
                 shared_expert_intermediate=16, top_k=2, drift_every=10, window_size=4, step_interval=8)
 
 
@@ -22,7 +22,7 @@ def _setup(rank, world_size, init_method, **overrides):
     cfg = RunConfig(**{**MOVEMENT, "ranks": world_size, **overrides})
     cfg.validate()
     config = init_expert_parallel(
-        rank, world_size, init_method, num_redundant_experts=cfg.num_redundant, window_size=cfg.window_size,
+        rank, world_size, init_method, num_redundant_experts=cfg.num_redundant_experts, window_size=cfg.window_size,
         step_interval=cfg.step_interval, timeout_s=20,
     )
     return cfg, set_current_vllm_config(config)

@@ -36,9 +36,9 @@ def test_cpp_wrapper_is_refused_where_it_cannot_serve():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(num_experts=16, num_redundant=3), "19 physical experts do not divide over 2 ranks"),
+        (dict(num_experts=16, num_redundant_experts=3), "19 physical experts do not divide over 2 ranks"),
         (dict(ranks=0), "ranks must be >= 1, got 0"),
-        (dict(num_redundant=-1), "redundant experts must be >= 0, got -1"),
+        (dict(num_redundant_experts=-1), "redundant experts must be >= 0, got -1"),
         (dict(num_experts=0), "experts must be >= 1, got 0"),
         (dict(num_experts=8, top_k=9), "top_k must be in [1, 8], got 9"),
         (dict(weight_format="gptq"), "quantization format 'gptq' is not supported"),
@@ -63,7 +63,7 @@ def test_a_placement_file_the_run_cannot_start_from_is_refused_naming_the_field(
     with pytest.raises(ValueError, match="ep_size is 2 in the file, 4 here"):
         RunConfig(placement_file=str(path), ranks=4).validate()
     with pytest.raises(ValueError, match="num_physical_experts is 20 in the file, 24 here"):
-        RunConfig(placement_file=str(path), num_redundant=8).validate()
+        RunConfig(placement_file=str(path), num_redundant_experts=8).validate()
     with pytest.raises(ValueError, match="config_hash is"):
         RunConfig(placement_file=str(path), seed=1).validate()
     with pytest.raises(ValueError, match="quantization is 'unquantized' in the file, 'w4a8' here"):

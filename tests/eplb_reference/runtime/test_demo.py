@@ -5,7 +5,7 @@ from eplb_reference.runtime.demo import run_demo
 
 
 def test_demo_rebalances_a_compiled_router_without_recompiling():
-    report = run_demo(num_logical=32, num_redundant=8, ranks=4, steps=6, backend="aot_eager")
+    report = run_demo(num_logical=32, num_redundant_experts=8, ranks=4, steps=6, backend="aot_eager")
     assert report.recompiles == 0
     assert report.lookup_data_ptr_stable
     assert report.routed_only_to_hosting_slots
