@@ -2,7 +2,7 @@
 
 * ``EplbPostGradPass``: an Inductor ``CustomGraphPass`` for
   ``torch._inductor.config.post_grad_custom_post_pass``. Its ``uuid()`` hashes the pass
-  sources and the router bindings, so Inductor's FX graph cache never serves a graph
+  sources and the router specs, so Inductor's FX graph cache never serves a graph
   compiled by another version or for other layers.
 * ``vllm_inductor_pass``: the same pass wrapped as vLLM's ``CallableInductorPass``.
 * ``torchair_backend``: torchair's NPU backend with the pass run first (Ascend only).
@@ -18,7 +18,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .insert_routing import RoutingPassResult, insert_eplb_routing
-from .router_sites import RouterBinding
+from .router_sites import RouterSpec
 
 _PASS_SOURCES = ("router_sites.py", "insert_routing.py", "inductor_pass.py")
 
@@ -32,17 +32,17 @@ def pass_source_hash() -> str:
 
 
 class EplbPostGradPass(CustomGraphPass):
-    def __init__(self, bindings: list[RouterBinding], *, strict: bool = True) -> None:
-        self.bindings = list(bindings)
+    def __init__(self, routers: list[RouterSpec], *, strict: bool = True) -> None:
+        self.routers = list(routers)
         self.strict = strict
         self.results: list[RoutingPassResult] = []
 
     def __call__(self, graph: fx.Graph) -> None:
-        self.results.append(insert_eplb_routing(graph, self.bindings, strict=self.strict))
+        self.results.append(insert_eplb_routing(graph, self.routers, strict=self.strict))
 
     def uuid(self) -> str:
         digest = hashlib.sha256(pass_source_hash().encode())
-        digest.update(repr((self.bindings, self.strict)).encode())
+        digest.update(repr((self.routers, self.strict)).encode())
         return digest.hexdigest()
 
 

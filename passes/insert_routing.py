@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from .router_sites import (
-    RouterBinding,
+    RouterSpec,
     RouterSite,
     find_router_sites,
     inside_router,
@@ -79,23 +79,23 @@ def is_id_preserving(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in ID_PRESERVING_FUNCTIONS
 
 
-def _rewire_consumers(graph: fx.Graph, logical: fx.Node, physical: fx.Node, binding: RouterBinding) -> None:
+def _rewire_consumers(graph: fx.Graph, logical: fx.Node, physical: fx.Node, router: RouterSpec) -> None:
     for user in list(logical.users):
         if user is physical:
             continue
-        if not inside_router(user, binding):
+        if not inside_router(user, router):
             user.replace_input_with(logical, physical)
         elif is_id_preserving(user):
             with graph.inserting_after(user):
                 twin = graph.node_copy(user, lambda n: physical if n is logical else n)
             twin.meta = dict(user.meta)
-            _rewire_consumers(graph, user, twin, binding)
+            _rewire_consumers(graph, user, twin, router)
             if not twin.users:
                 graph.erase_node(twin)
 
 
 def insert_eplb_routing(
-    graph: fx.Graph, bindings: list[RouterBinding], *, strict: bool = True
+    graph: fx.Graph, routers: list[RouterSpec], *, strict: bool = True
 ) -> RoutingPassResult:
     """Inserts ``map_and_record_layer`` after every attributed router top-k, in place.
 
@@ -104,7 +104,7 @@ def insert_eplb_routing(
     Raises UnattributedRouterError (strict) or warns for an expert-shaped top-k that no
     registered router owns.
     """
-    sites = find_router_sites(graph, bindings)
+    sites = find_router_sites(graph, routers)
     result = RoutingPassResult(sites)
     if result.unattributed:
         names = ", ".join(f"{s.topk.name} (module {s.module_path or '?'})" for s in result.unattributed)
@@ -114,7 +114,7 @@ def insert_eplb_routing(
         warnings.warn(message, stacklevel=2)
 
     for site in sites:
-        if site.binding is None or not site.selects_experts:
+        if site.router is None or not site.selects_experts:
             continue
         for logical in topk_indices(site.topk):
             existing = [u for u in logical.users if is_routing_node(u)]
@@ -122,11 +122,11 @@ def insert_eplb_routing(
                 site.mapped.extend(existing)
                 continue
             with graph.inserting_after(logical):
-                physical = graph.call_function(MAP_AND_RECORD_LAYER, (logical, site.binding.key))
+                physical = graph.call_function(MAP_AND_RECORD_LAYER, (logical, site.router.key))
             physical.meta = {k: v for k, v in logical.meta.items() if k in ("val", "example_value", "tensor_meta")}
             physical.meta["nn_module_stack"] = dict(site.topk.meta.get("nn_module_stack") or {})
             physical.meta["stack_trace"] = site.topk.meta.get("stack_trace")
-            _rewire_consumers(graph, logical, physical, site.binding)
+            _rewire_consumers(graph, logical, physical, site.router)
             site.mapped.append(physical)
     graph.lint()
     return result

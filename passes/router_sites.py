@@ -17,7 +17,7 @@ from torch import fx
 
 
 @dataclass(frozen=True)
-class RouterBinding:
+class RouterSpec:
     """One MoE layer as the pass sees it: where its router is and what its top-k looks like."""
 
     key: str  # the name map_and_record_layer resolves (LAYER_TABLES)
@@ -40,7 +40,7 @@ class RouterSite:
 
     topk: fx.Node
     module_path: str | None  # innermost module path of the top-k, normalised
-    binding: RouterBinding | None  # the layer it belongs to, None if unattributed
+    router: RouterSpec | None  # the layer it belongs to, None if unattributed
     selects_experts: bool  # top-k over the layer's experts with the layer's k
     reason: str = ""  # why it is not mapped, where it is not
     mapped: list[fx.Node] = field(default_factory=list)  # inserted routing node(s)
@@ -81,16 +81,16 @@ def innermost_source_file(node: fx.Node) -> str | None:
     return frames[-1].replace("\\", "/") if frames else None
 
 
-def inside_router(node: fx.Node, binding: RouterBinding) -> bool:
+def inside_router(node: fx.Node, router: RouterSpec) -> bool:
     """Is the node part of the router's own computation (so it keeps logical ids)?"""
-    if not inside_module(node, binding.router_path):
+    if not inside_module(node, router.router_path):
         return False
-    if binding.experts_path is not None and inside_module(node, binding.experts_path):
+    if router.experts_path is not None and inside_module(node, router.experts_path):
         return False
-    if binding.router_source is None:
+    if router.router_source is None:
         return True
     source = innermost_source_file(node)
-    return source is not None and binding.router_source in source
+    return source is not None and router.router_source in source
 
 
 def is_topk(node: fx.Node) -> bool:
@@ -116,21 +116,21 @@ def topk_indices(node: fx.Node) -> list[fx.Node]:
     return [u for u in node.users if u.op == "call_function" and u.target is operator.getitem and u.args[1] == 1]
 
 
-def selects_experts(node: fx.Node, binding: RouterBinding) -> tuple[bool, str]:
+def selects_experts(node: fx.Node, router: RouterSpec) -> tuple[bool, str]:
     source, k, dim = topk_arguments(node)
     value = _value(source) if isinstance(source, fx.Node) else None
     if value is None or not hasattr(value, "shape"):
         return False, "input shape unknown"
     if dim not in (-1, value.dim() - 1):
         return False, f"top-k over dim {dim}, not the last"
-    if value.shape[-1] != binding.num_experts:
-        return False, f"over {value.shape[-1]} candidates, not the layer's {binding.num_experts} experts"
-    if k != binding.top_k:
-        return False, f"k={k}, not the layer's top_k={binding.top_k}"
+    if value.shape[-1] != router.num_experts:
+        return False, f"over {value.shape[-1]} candidates, not the layer's {router.num_experts} experts"
+    if k != router.top_k:
+        return False, f"k={k}, not the layer's top_k={router.top_k}"
     return True, ""
 
 
-def find_router_sites(graph: fx.Graph, bindings: list[RouterBinding]) -> list[RouterSite]:
+def find_router_sites(graph: fx.Graph, routers: list[RouterSpec]) -> list[RouterSite]:
     """Every top-k in the graph, attributed to a layer where its module path allows.
 
     Within one layer only the *last* expert-shaped top-k selects experts: DeepSeek-V3's
@@ -141,26 +141,26 @@ def find_router_sites(graph: fx.Graph, bindings: list[RouterBinding]) -> list[Ro
         if not is_topk(node):
             continue
         paths = module_paths(node)
-        binding = next((b for b in bindings if any(path_matches(p, b.router_path) for p in paths)), None)
-        if binding is None:
+        router = next((b for b in routers if any(path_matches(p, b.router_path) for p in paths)), None)
+        if router is None:
             # Unattributed: does it look like some layer's expert selection?
-            shaped = [b for b in bindings if selects_experts(node, b)[0]]
+            shaped = [b for b in routers if selects_experts(node, b)[0]]
             reason = "expert-shaped top-k outside every registered router" if shaped else "not in a registered router"
             sites.append(RouterSite(node, paths[-1] if paths else None, None, bool(shaped), reason))
             continue
-        selected, reason = selects_experts(node, binding)
-        sites.append(RouterSite(node, paths[-1], binding, selected, reason))
+        selected, reason = selects_experts(node, router)
+        sites.append(RouterSite(node, paths[-1], router, selected, reason))
 
     last_per_layer: dict[str, RouterSite] = {}
     for site in sites:
-        if site.binding is not None and site.selects_experts:
-            previous = last_per_layer.get(site.binding.key)
+        if site.router is not None and site.selects_experts:
+            previous = last_per_layer.get(site.router.key)
             if previous is not None:
                 previous.selects_experts = False
                 previous.reason = "an earlier top-k of the same router; the last one selects experts"
-            last_per_layer[site.binding.key] = site
+            last_per_layer[site.router.key] = site
     return sites
 
 
 def is_unattributed_router(site: RouterSite) -> bool:
-    return site.binding is None and site.selects_experts
+    return site.router is None and site.selects_experts

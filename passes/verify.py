@@ -7,7 +7,7 @@
     4. the op reads the live lookup of the right layer: by name for map_and_record_layer
        (resolved now, compared by identity with the owner's tables), or, for an explicit
        map_and_record, from a graph input -- never a constant, get_attr or frozen copy;
-    5. where a layer's routed experts run in the graph (``RouterBinding.experts_path``),
+    5. where a layer's routed experts run in the graph (``RouterSpec.experts_path``),
        its router top-k was found and mapped: experts never index physical weights with
        logical ids because a router changed shape and the pass no longer recognised it.
 """
@@ -24,7 +24,7 @@ from eplb_graph.custom_ops import LAYER_TABLES
 
 from .insert_routing import is_id_preserving, is_routing_node
 from .router_sites import (
-    RouterBinding,
+    RouterSpec,
     find_router_sites,
     inside_module,
     inside_router,
@@ -64,7 +64,7 @@ class VerifierReport:
         }
 
 
-def _logical_leaks(logical: fx.Node, binding: RouterBinding) -> list[fx.Node]:
+def _logical_leaks(logical: fx.Node, router: RouterSpec) -> list[fx.Node]:
     """Nodes outside the router that read logical ids, directly or through id-preserving ops
     (casts, views) inside the router. Values the router computes *from* the ids (DeepSeek's
     gathered routing weights) are not ids and may leave it."""
@@ -75,7 +75,7 @@ def _logical_leaks(logical: fx.Node, binding: RouterBinding) -> list[fx.Node]:
             if user in seen or is_routing_node(user):
                 continue
             seen.add(user)
-            if not inside_router(user, binding):
+            if not inside_router(user, router):
                 leaks.append(user)
             elif is_id_preserving(user):
                 frontier.append(user)
@@ -96,21 +96,21 @@ def _check_flags(report: VerifierReport, key: str, tensors, device: torch.device
             report.fail(f"layer {key}: {name} lives on {flag.device}, the lookup on {device}")
 
 
-def _check_experts_are_routed(report: VerifierReport, graph: fx.Graph, bindings: list[RouterBinding]) -> None:
-    for binding in bindings:
-        if binding.experts_path is None or binding.key in report.layers:
+def _check_experts_are_routed(report: VerifierReport, graph: fx.Graph, routers: list[RouterSpec]) -> None:
+    for router in routers:
+        if router.experts_path is None or router.key in report.layers:
             continue
-        runs = next((n for n in graph.nodes if n.op != "placeholder" and inside_module(n, binding.experts_path)), None)
+        runs = next((n for n in graph.nodes if n.op != "placeholder" and inside_module(n, router.experts_path)), None)
         if runs is not None:
             report.fail(
-                f"experts {binding.experts_path} of {binding.key} run in this graph ({runs.name}) but no top-k "
-                f"of router {binding.router_path} over {binding.num_experts} experts with k={binding.top_k} was mapped"
+                f"experts {router.experts_path} of {router.key} run in this graph ({runs.name}) but no top-k "
+                f"of router {router.router_path} over {router.num_experts} experts with k={router.top_k} was mapped"
             )
 
 
 def verify(
     graph_module: fx.GraphModule | fx.Graph,
-    bindings: list[RouterBinding],
+    routers: list[RouterSpec],
     *,
     live_tables: Callable[[str], object] | None = None,
     strict: bool = False,
@@ -121,16 +121,16 @@ def verify(
     """
     graph = graph_module.graph if isinstance(graph_module, fx.GraphModule) else graph_module
     report = VerifierReport()
-    sites = find_router_sites(graph, bindings)
+    sites = find_router_sites(graph, routers)
     report.unattributed = [f"{s.topk.name} ({s.module_path or '?'})" for s in sites if is_unattributed_router(s)]
     for entry in report.unattributed:
         report.fail(f"unattributed expert-shaped top-k {entry}")
 
     for site in sites:
-        if site.binding is None or not site.selects_experts:
+        if site.router is None or not site.selects_experts:
             continue
         report.routers_found += 1
-        key = site.binding.key
+        key = site.router.key
         indices = topk_indices(site.topk)
         routing = [u for ids in indices for u in ids.users if is_routing_node(u)]
         if len(routing) != 1:
@@ -142,7 +142,7 @@ def verify(
         if node.args[1] != key:
             report.fail(f"{node.name} routes top-k of {key} through layer {node.args[1]!r}")
         for ids in indices:
-            for leak in _logical_leaks(ids, site.binding):
+            for leak in _logical_leaks(ids, site.router):
                 report.fail(f"{leak.name} reads logical ids of {key} (from {site.topk.name}) outside the router")
         try:
             layer = LAYER_TABLES.resolve(node.args[1])
@@ -156,7 +156,7 @@ def verify(
                 report.fail(f"{node.name}: layer {key} resolves to tables other than its owner's live ones")
         _check_flags(report, key, tensors, tensors[0].device)
 
-    _check_experts_are_routed(report, graph, bindings)
+    _check_experts_are_routed(report, graph, routers)
 
     # Explicit map_and_record calls (user code): tables must be graph inputs, not constants.
     for node in graph.nodes:

@@ -38,7 +38,7 @@ from eplb_graph.core.placement_file import PlacementRecord
 from eplb_graph.core.placement_file import save as save_placement_file
 from eplb_graph.passes.inductor_pass import EplbPostGradPass, torchair_backend, vllm_inductor_pass
 from eplb_graph.passes.insert_routing import RoutingPassResult, insert_eplb_routing
-from eplb_graph.passes.router_sites import RouterBinding
+from eplb_graph.passes.router_sites import RouterSpec
 from eplb_graph.passes.verify import VerifierReport, verify
 
 _handle_ids = itertools.count()
@@ -77,8 +77,8 @@ class EplbLayer(RoutedLayer):
     def name(self) -> str:
         return self.spec.name
 
-    def binding(self) -> RouterBinding:
-        return RouterBinding(
+    def router(self) -> RouterSpec:
+        return RouterSpec(
             self.key, self.spec.router_path, self.spec.num_experts, self.spec.top_k, experts_path=self.spec.experts_path
         )
 
@@ -109,7 +109,7 @@ def to_physical_layout(weight: torch.Tensor, placement: torch.Tensor) -> nn.Para
 
 
 def make_eplb_backend(
-    bindings: list[RouterBinding],
+    routers: list[RouterSpec],
     inner: str | Callable,
     records: list[CompiledGraphRecord],
     live_tables: Callable[[str], object] | None = None,
@@ -122,9 +122,9 @@ def make_eplb_backend(
 
     def eplb_backend(graph_module: fx.GraphModule, example_inputs):
         before = graph_module.print_readable(print_output=False)
-        result = insert_eplb_routing(graph_module.graph, bindings, strict=strict)
+        result = insert_eplb_routing(graph_module.graph, routers, strict=strict)
         graph_module.recompile()
-        report = verify(graph_module, bindings, live_tables=live_tables, strict=strict) if verify_graphs else None
+        report = verify(graph_module, routers, live_tables=live_tables, strict=strict) if verify_graphs else None
         after = graph_module.print_readable(print_output=False)
         records.append(CompiledGraphRecord(before, after, result, report, graph_module))
         return inner_backend(graph_module, example_inputs)
@@ -146,8 +146,8 @@ class EplbHandle:
 
     # -- the pass, in every form a compiler wants ----------------------------------------
 
-    def bindings(self) -> list[RouterBinding]:
-        return [layer.binding() for layer in self.layers]
+    def routers(self) -> list[RouterSpec]:
+        return [layer.router() for layer in self.layers]
 
     def layer(self, key: str) -> EplbLayer:
         return next(layer for layer in self.layers if layer.key == key)
@@ -155,7 +155,7 @@ class EplbHandle:
     def backend(self, inner: str | Callable = "inductor") -> Callable:
         """A torch.compile backend: the EPLB pass on the Dynamo graph, then ``inner``."""
         return make_eplb_backend(
-            self.bindings(), inner, self.compiled_graphs, self.layer,
+            self.routers(), inner, self.compiled_graphs, self.layer,
             strict=self.options.strict, verify_graphs=self.options.verify,
         )
 
@@ -166,7 +166,7 @@ class EplbHandle:
 
     def post_grad_pass(self) -> EplbPostGradPass:
         """For ``torch._inductor.config.post_grad_custom_post_pass``."""
-        return EplbPostGradPass(self.bindings(), strict=self.options.strict)
+        return EplbPostGradPass(self.routers(), strict=self.options.strict)
 
     def vllm_inductor_pass(self):
         """The post-grad pass as vLLM's ``CallableInductorPass``."""

@@ -65,7 +65,7 @@ def inspect_model(model_name: str, backend: str = "aot_eager", num_redundant_exp
 
 
 def build_report(model_name: str, backend: str, handle: EplbHandle, record: CompiledGraphRecord) -> dict:
-    sites = {s.binding.key: s for s in record.result.sites if s.mapped}
+    sites = {s.router.key: s for s in record.result.sites if s.mapped}
     report = record.report
     return {
         "model": model_name,
@@ -88,7 +88,7 @@ def build_report(model_name: str, backend: str, handle: EplbHandle, record: Comp
                 "other_topk_in_router": [
                     {"node": s.topk.name, "reason": s.reason}
                     for s in record.result.sites
-                    if s.binding is not None and s.binding.key == layer.key and not s.mapped
+                    if s.router is not None and s.router.key == layer.key and not s.mapped
                 ],
             }
             for layer in handle.layers
@@ -98,7 +98,7 @@ def build_report(model_name: str, backend: str, handle: EplbHandle, record: Comp
 
 def format_text(report: dict, record: CompiledGraphRecord) -> str:
     lines = [f"model {report['model']} compiled with backend {report['backend']} + EPLB pass"]
-    by_key = {s.binding.key: s for s in record.result.sites if s.binding is not None and s.mapped}
+    by_key = {s.router.key: s for s in record.result.sites if s.router is not None and s.mapped}
     for layer in report["layers"]:
         lines.append(f"\n== {layer['name']} (router {layer['router']}, {layer['num_logical_experts']} logical -> "
                      f"{layer['num_physical_experts']} physical experts, top-{layer['top_k']}, key {layer['key']})")

@@ -21,7 +21,7 @@ from vllm.compilation.passes.inductor_pass import InductorPass
 from eplb_graph.custom_ops import LAYER_TABLES
 from eplb_graph.passes.inductor_pass import pass_source_hash
 from eplb_graph.passes.insert_routing import insert_eplb_routing
-from eplb_graph.passes.router_sites import RouterBinding
+from eplb_graph.passes.router_sites import RouterSpec
 from eplb_graph.passes.verify import verify
 
 from .layers import GRAPH_PASS, VllmMoELayer
@@ -41,23 +41,23 @@ class VllmEplbPass(InductorPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         layers = {layer.key: layer for layer in graph_pass_layers()}
-        bindings = [layer.router_binding() for layer in layers.values()]
-        if bindings:
-            result = insert_eplb_routing(graph, bindings, strict=True)
-            verify(graph, bindings, live_tables=LAYER_TABLES.resolve, strict=True)
+        routers = [layer.router_spec() for layer in layers.values()]
+        if routers:
+            result = insert_eplb_routing(graph, routers, strict=True)
+            verify(graph, routers, live_tables=LAYER_TABLES.resolve, strict=True)
             for site in result.mapped_sites:
-                layers[site.binding.key].graph_mappings += 1
+                layers[site.router.key].graph_mappings += 1
         if self.user_pass is not None:
             self.user_pass(graph)
 
-    def bindings(self) -> list[RouterBinding]:
-        return [layer.router_binding() for layer in graph_pass_layers()]
+    def routers(self) -> list[RouterSpec]:
+        return [layer.router_spec() for layer in graph_pass_layers()]
 
     def uuid(self) -> str:
         """Inductor's cache key: our pass sources, this file, the layers it maps, the user's pass."""
         digest = hashlib.sha256(pass_source_hash().encode())
         digest.update(Path(__file__).read_bytes())
-        digest.update(repr(self.bindings()).encode())
+        digest.update(repr(self.routers()).encode())
         if self.user_pass is not None:
             digest.update(str(self.user_pass.uuid()).encode())
         return digest.hexdigest()

@@ -23,7 +23,7 @@ import torch
 
 from eplb_graph.custom_ops import LAYER_TABLES
 from eplb_graph.core.layer_lookup import BatchFlags, LayerLookup, RoutedLayer
-from eplb_graph.passes.router_sites import RouterBinding
+from eplb_graph.passes.router_sites import RouterSpec
 
 GRAPH_PASS = "graph_pass"
 ROUTER_ADAPTER = "router_adapter"
@@ -81,8 +81,8 @@ class VllmMoELayer(RoutedLayer):
         self.graph_mappings = 0  # routing nodes the pass inserted for this layer (0 if a cached graph was served)
         self.check_agrees_with_upstream()
 
-    def router_binding(self) -> RouterBinding:
-        return RouterBinding(
+    def router_spec(self) -> RouterSpec:
+        return RouterSpec(
             self.key, self.router_path or "", self.tables.num_logical_experts, self.top_k, router_source=VLLM_ROUTER_SOURCE
         )
 

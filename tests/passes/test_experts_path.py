@@ -1,4 +1,4 @@
-"""RouterBinding.experts_path: experts inside the router's module get physical ids, and the
+"""RouterSpec.experts_path: experts inside the router's module get physical ids, and the
 verifier refuses a graph whose experts run without a mapped router."""
 
 import operator
@@ -6,7 +6,7 @@ import operator
 import torch
 
 from eplb_graph.passes.insert_routing import insert_eplb_routing
-from eplb_graph.passes.router_sites import RouterBinding
+from eplb_graph.passes.router_sites import RouterSpec
 from eplb_graph.passes.verify import verify
 
 
@@ -31,30 +31,30 @@ def block_level_graph():
     return graph, {"ids": ids, "gather": gathered, "experts": expert_input}
 
 
-def binding(**overrides):
+def router(**overrides):
     fields = dict(key="eplb-test.0", router_path="layers.1.feed_forward", num_experts=8, top_k=2,
                   experts_path="layers.1.feed_forward.experts")
-    return RouterBinding(**{**fields, **overrides})
+    return RouterSpec(**{**fields, **overrides})
 
 
 def test_experts_inside_the_router_module_get_physical_ids():
     graph, nodes = block_level_graph()
-    result = insert_eplb_routing(graph, [binding()], strict=True)
+    result = insert_eplb_routing(graph, [router()], strict=True)
     (physical,) = result.mapped_sites[0].mapped
     assert nodes["experts"].args[0] is physical
     assert nodes["gather"].args[2] is nodes["ids"]
-    assert not [p for p in verify(graph, [binding()]).problems if "reads logical ids" in p]
+    assert not [p for p in verify(graph, [router()]).problems if "reads logical ids" in p]
 
 
 def test_without_experts_path_the_block_level_experts_would_keep_logical_ids():
     graph, nodes = block_level_graph()
-    insert_eplb_routing(graph, [binding(experts_path=None)], strict=True)
+    insert_eplb_routing(graph, [router(experts_path=None)], strict=True)
     assert nodes["experts"].args[0] is nodes["ids"]
 
 
 def test_experts_running_without_a_mapped_router_fail_verification():
     graph, _ = block_level_graph()
-    stale = binding(top_k=4)  # the router no longer looks like the layer's selection: nothing is mapped
+    stale = router(top_k=4)  # the router no longer looks like the layer's selection: nothing is mapped
     assert insert_eplb_routing(graph, [stale], strict=True).routers_mapped == 0
     report = verify(graph, [stale])
     assert not report.ok

@@ -9,7 +9,7 @@ import eplb_graph
 from eplb_graph.tools.inspect_models import HF_FAMILIES, build_tiny_hf_model
 from eplb_reference.models.reference import ReferenceMoEConfig, build_reference_model
 from eplb_graph.passes.insert_routing import UnattributedRouterError, insert_eplb_routing
-from eplb_graph.passes.router_sites import RouterBinding, normalise_module_path
+from eplb_graph.passes.router_sites import RouterSpec, normalise_module_path
 from eplb_graph.passes.verify import verify
 
 
@@ -108,7 +108,7 @@ def test_hugging_face_families_map_only_the_expert_topk(family):
     record = handle.compiled_graphs[-1]
     assert record.report.ok, record.report.problems
     assert record.result.routers_mapped == 2 == len(handle.layers)
-    skipped = [s for s in record.result.sites if s.binding is not None and not s.selects_experts]
+    skipped = [s for s in record.result.sites if s.router is not None and not s.selects_experts]
     # DeepSeek-V3: two group-level top-k per router, neither maps
     assert len(skipped) == (4 if family == "deepseek_v3" else 0)
     assert int(handle.logical_load().sum()) == 2 * 12 * 2  # layers x tokens x top_k
@@ -223,11 +223,11 @@ def _expert_shaped_topk_graph(router_path_in_stack: str):
 
 
 def test_unattributable_expert_topk_errors_in_strict_mode_and_warns_otherwise():
-    binding = RouterBinding("eplb-test.0", "layers.0.mlp.gate", num_experts=8, top_k=2)
+    router = RouterSpec("eplb-test.0", "layers.0.mlp.gate", num_experts=8, top_k=2)
     with pytest.raises(UnattributedRouterError, match=r"topk \(module other.router\)"):
-        insert_eplb_routing(_expert_shaped_topk_graph("other.router"), [binding], strict=True)
+        insert_eplb_routing(_expert_shaped_topk_graph("other.router"), [router], strict=True)
     with pytest.warns(UserWarning, match="not attributable"):
-        result = insert_eplb_routing(_expert_shaped_topk_graph("other.router"), [binding], strict=False)
+        result = insert_eplb_routing(_expert_shaped_topk_graph("other.router"), [router], strict=False)
     assert result.routers_mapped == 0 and len(result.unattributed) == 1
 
 
@@ -292,23 +292,23 @@ def _shared_module_graph():
 
 def test_router_source_splits_router_and_experts_sharing_one_module():
     graph, nodes = _shared_module_graph()
-    binding = RouterBinding(
+    router = RouterSpec(
         "eplb-test.0", "layers.0.mlp.experts", num_experts=8, top_k=2,
         router_source="layers/fused_moe/router/",
     )
-    result = insert_eplb_routing(graph, [binding], strict=True)
+    result = insert_eplb_routing(graph, [router], strict=True)
     assert result.routers_mapped == 1
     (physical,) = result.mapped_sites[0].mapped
     assert nodes["gather"].args[2] is nodes["ids"]  # the router keeps logical ids for its weights
     experts_input = nodes["experts"].args[0]
     assert experts_input is not nodes["cast"] and experts_input.args[0] is physical  # a twin cast of physical ids
-    leaks = [p for p in verify(graph, [binding]).problems if "reads logical ids" in p]
+    leaks = [p for p in verify(graph, [router]).problems if "reads logical ids" in p]
     assert leaks == []  # (no live layer is registered for this key: only the id-flow check matters here)
 
 
 def test_without_router_source_the_shared_module_would_keep_logical_ids():
     """Why router_source exists: by module path alone the expert kernel looks router-internal."""
     graph, nodes = _shared_module_graph()
-    binding = RouterBinding("eplb-test.0", "layers.0.mlp.experts", num_experts=8, top_k=2)
-    insert_eplb_routing(graph, [binding], strict=True)
+    router = RouterSpec("eplb-test.0", "layers.0.mlp.experts", num_experts=8, top_k=2)
+    insert_eplb_routing(graph, [router], strict=True)
     assert nodes["experts"].args[0] is nodes["cast"] and nodes["cast"].args[0] is nodes["ids"]

@@ -29,48 +29,48 @@ def traced_reference(**options):
 
 def test_unmapped_graph_fails_naming_each_router():
     graph_module, handle = traced_reference()
-    report = verify(graph_module, handle.bindings())
+    report = verify(graph_module, handle.routers())
     assert not report.ok
     assert report.routers_found == 2 and report.routers_mapped == 0
     assert any("topk" in p and "mapped 0 times" in p for p in report.problems)
     with pytest.raises(EplbVerificationError, match=r"router top-k topk_1 \(eplb\d+\.1\) is mapped 0 times"):
-        verify(graph_module, handle.bindings(), strict=True)
+        verify(graph_module, handle.routers(), strict=True)
 
 
 def test_mapped_graph_passes_with_live_tables():
     graph_module, handle = traced_reference()
-    insert_eplb_routing(graph_module.graph, handle.bindings())
-    report = verify(graph_module, handle.bindings(), live_tables=handle.layer, strict=True)
+    insert_eplb_routing(graph_module.graph, handle.routers())
+    report = verify(graph_module, handle.routers(), live_tables=handle.layer, strict=True)
     assert report.ok and report.routers_mapped == 2
     assert set(report.layers) == {layer.key for layer in handle.layers}
 
 
 def test_an_expert_reading_logical_ids_is_a_leak():
     graph_module, handle = traced_reference()
-    insert_eplb_routing(graph_module.graph, handle.bindings())
+    insert_eplb_routing(graph_module.graph, handle.routers())
     graph = graph_module.graph
     logical = next(n for n in graph.nodes if n.target is operator.getitem and n.args[0].name == "topk" and n.args[1] == 1)
     output = next(n for n in graph.nodes if n.op == "output")
     with graph.inserting_before(output):
         leak = graph.call_function(torch.add, (logical, 1))  # no module stack: outside the router
     leak.name = "leaky_expert"
-    report = verify(graph_module, handle.bindings())
+    report = verify(graph_module, handle.routers())
     assert any(p.startswith("leaky_expert reads logical ids") for p in report.problems)
 
 
 def test_tables_of_a_closed_handle_are_reported():
     graph_module, handle = traced_reference()
-    insert_eplb_routing(graph_module.graph, handle.bindings())
+    insert_eplb_routing(graph_module.graph, handle.routers())
     handle.close()
-    report = verify(graph_module, handle.bindings())
+    report = verify(graph_module, handle.routers())
     assert any("no live EPLB layer named" in p for p in report.problems)
 
 
 def test_tables_that_are_not_the_owners_are_reported():
     graph_module, handle = traced_reference()
-    insert_eplb_routing(graph_module.graph, handle.bindings())
+    insert_eplb_routing(graph_module.graph, handle.routers())
     _, other = traced_reference()
-    report = verify(graph_module, handle.bindings(), live_tables=lambda key: other.layers[0])
+    report = verify(graph_module, handle.routers(), live_tables=lambda key: other.layers[0])
     assert any("other than its owner's live ones" in p for p in report.problems)
 
 

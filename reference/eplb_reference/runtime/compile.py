@@ -27,19 +27,19 @@ def inductor_with_cpp_wrapper(graph_module, example_inputs):
 def prepare_forward(model, cfg: RunConfig, rank_layers, records: list):
     """The callable for the mode: the model itself (eager) or torch.compile with the EPLB pass."""
     from eplb_graph.pytorch.enable import make_eplb_backend
-    from eplb_graph.passes.router_sites import RouterBinding
+    from eplb_graph.passes.router_sites import RouterSpec
 
     if cfg.mode == "eager":
         return model
-    bindings = []
+    routers = []
     for index, block in enumerate(model.layers):
         if block.mlp.layer_key is not None:
             block.mlp.route_in_module = False  # the pass inserts the routing op instead
-            bindings.append(RouterBinding(block.mlp.layer_key, f"layers.{index}.mlp.gate", cfg.num_experts, cfg.top_k,
+            routers.append(RouterSpec(block.mlp.layer_key, f"layers.{index}.mlp.gate", cfg.num_experts, cfg.top_k,
                                           experts_path=f"layers.{index}.mlp.experts"))
     live = {layer.key: layer for layer in rank_layers}
     inner = inductor_with_cpp_wrapper if cfg.cpp_wrapper else cfg.backend
-    backend = make_eplb_backend(bindings, inner, records, live.__getitem__)
+    backend = make_eplb_backend(routers, inner, records, live.__getitem__)
     return torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
 
 
