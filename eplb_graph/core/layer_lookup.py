@@ -51,8 +51,8 @@ class BatchFlags:
         return flags
 
     def _hold(self, record_enabled: torch.Tensor, num_unpadded_tokens: torch.Tensor) -> None:
-        self.record_enabled = record_enabled
-        self.num_unpadded_tokens = num_unpadded_tokens
+        self.record_enabled = record_enabled  # [] or [1] bool: this batch records load
+        self.num_unpadded_tokens = num_unpadded_tokens  # [] or [1] int: tokens before the padding
         # On the host, set_ writes through numpy views of the flags' own storage: a fill_ is a
         # dispatcher call, paid every step (bench_op_in_step.py times such calls after a step).
         self._host_views = None
@@ -108,9 +108,13 @@ class LayerLookup:
         self.num_physical_experts = num_physical_experts
         self.max_replicas = max_replicas
         self.allow_empty_slots = allow_empty_slots  # -1 slots: an elastic group's absent ranks
+        # [num_logical, max_replicas] int32: each expert's physical slots, -1 padded
         self.lookup = torch.full((num_logical_experts, max_replicas), -1, dtype=torch.int32, device=device)
+        # [num_logical] int32: how many of a row's slots are real
         self.replica_count = torch.zeros(num_logical_experts, dtype=torch.int32, device=device)
+        # [num_physical] load_dtype: executed (token, k) pairs per physical slot since the last reset
         self.load = torch.zeros(num_physical_experts, dtype=load_dtype, device=device)
+        # [num_physical] int64, host: the placement routed by now (-1: an empty slot)
         self.physical_to_logical = torch.empty(num_physical_experts, dtype=torch.int64)
         self.routed_as: set[str] = set()  # keys of the RoutedLayers over these tables
         self.refresh_(initial_placement(num_logical_experts, num_redundant_experts) if placement is None else placement)

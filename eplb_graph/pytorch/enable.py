@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
@@ -36,10 +36,9 @@ from eplb_graph.core.layer_lookup import BatchFlags, LayerLookup, RoutedLayer, b
 from eplb_graph.core.placement import check_expert_layout, initial_placement, validate_layer_placements
 from eplb_graph.core.placement_file import PlacementRecord
 from eplb_graph.core.placement_file import save as save_placement_file
+from eplb_graph.pytorch.backend import CompiledGraphRecord, make_eplb_backend
 from eplb_graph.passes.inductor_pass import EplbPostGradPass, torchair_backend, vllm_inductor_pass
-from eplb_graph.passes.insert_routing import RoutingPassResult, insert_eplb_routing
 from eplb_graph.passes.router_sites import RouterSpec
-from eplb_graph.passes.verify import VerifierReport, verify
 
 _handle_ids = itertools.count()
 # Above any batch's row count: the routing op records rows t < num_unpadded_tokens.
@@ -89,47 +88,12 @@ class EplbLayer(RoutedLayer):
         return f"EplbLayer({self.key!r}, {self.name}, {self.tables})"
 
 
-@dataclass
-class CompiledGraphRecord:
-    """What the backend saw and did, for ``eplb-graph inspect``."""
-
-    graph_before: str
-    graph_after: str
-    result: RoutingPassResult
-    report: VerifierReport | None
-    graph_module: fx.GraphModule = field(repr=False)
-
-
 def to_physical_layout(weight: torch.Tensor, placement: torch.Tensor) -> nn.Parameter | torch.Tensor:
     """[num_logical, ...] -> [num_physical, ...]: slot p holds logical expert placement[p]."""
     physical = weight.detach()[placement.to(weight.device)].clone()
     if isinstance(weight, nn.Parameter):
         return nn.Parameter(physical, requires_grad=weight.requires_grad)
     return physical
-
-
-def make_eplb_backend(
-    routers: list[RouterSpec],
-    inner: str | Callable,
-    records: list[CompiledGraphRecord],
-    live_tables: Callable[[str], object] | None = None,
-    *,
-    strict: bool = True,
-    verify_graphs: bool = True,
-) -> Callable:
-    """A torch.compile backend: insert EPLB routing into the Dynamo graph, verify it, then ``inner``."""
-    inner_backend = torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
-
-    def eplb_backend(graph_module: fx.GraphModule, example_inputs):
-        before = graph_module.print_readable(print_output=False)
-        result = insert_eplb_routing(graph_module.graph, routers, strict=strict)
-        graph_module.recompile()
-        report = verify(graph_module, routers, live_tables=live_tables, strict=strict) if verify_graphs else None
-        after = graph_module.print_readable(print_output=False)
-        records.append(CompiledGraphRecord(before, after, result, report, graph_module))
-        return inner_backend(graph_module, example_inputs)
-
-    return eplb_backend
 
 
 class EplbHandle:
@@ -153,14 +117,20 @@ class EplbHandle:
         return next(layer for layer in self.layers if layer.key == key)
 
     def backend(self, inner: str | Callable = "inductor") -> Callable:
-        """A torch.compile backend: the EPLB pass on the Dynamo graph, then ``inner``."""
+        """A torch.compile backend: the EPLB pass on the Dynamo graph, then ``inner``.
+
+        Args:
+            inner: the backend that compiles the result (a name torch.compile knows, or a callable).
+        Returns:
+            The backend for ``torch.compile``; each graph it compiles is recorded in ``compiled_graphs``.
+        """
         return make_eplb_backend(
             self.routers(), inner, self.compiled_graphs, self.layer,
             strict=self.options.strict, verify_graphs=self.options.verify,
         )
 
     def run_pass(self, graph_module: fx.GraphModule) -> CompiledGraphRecord:
-        """Inserts routing into a Dynamo graph module in place and verifies it."""
+        """Inserts routing into a Dynamo graph module in place and verifies it; returns its record."""
         self.backend(inner=lambda gm, example_inputs: gm)(graph_module, [])
         return self.compiled_graphs[-1]
 
@@ -179,9 +149,13 @@ class EplbHandle:
     # -- between forwards ------------------------------------------------------------------
 
     def set_batch(self, *, num_tokens: int | None = None, is_prefill: bool = False) -> None:
-        """Before a forward: whether this batch records load (its phase), and how many of its
-        flattened [batch * seq] rows are real tokens (the rest is trailing padding); None:
-        every row. Holds for the following forwards until called again."""
+        """Before a forward: whether this batch records load, and how many of its rows are real.
+
+        Args:
+            num_tokens: real tokens among the flattened [batch * seq] rows (the rest is trailing
+                padding); None: every row. Holds for the following forwards until called again.
+            is_prefill: the batch's phase, against ``load_phase`` (any prefill work: prefill).
+        """
         record = batch_in_load_phase(self.options.load_phase, is_prefill)
         self.flags.set_(record=record, num_unpadded_tokens=EVERY_ROW if num_tokens is None else num_tokens)
 
@@ -203,8 +177,12 @@ class EplbHandle:
         A layer that recorded no load since the last placement keeps its placement (the
         vision experts of a multimodal model under text-only traffic); with no load in any
         layer, ``NoLoadRecordedError``. Every new placement is validated before any weight
-        moves, so a bad policy output leaves the model exactly as it was. Returns the new
-        placement [num_layers, num_physical].
+        moves, so a bad policy output leaves the model exactly as it was.
+
+        Returns:
+            The new placement, [num_layers, num_physical] int64.
+        Raises:
+            NoLoadRecordedError: no layer recorded load since the last placement.
         """
         from vllm.distributed.eplb.policy.default import DefaultEplbPolicy
 
@@ -218,8 +196,12 @@ class EplbHandle:
         return placed
 
     def save_placement(self, path: str | os.PathLike) -> None:
-        """Writes the placement routed now, with the load it was computed from, to a placement file
-        (``placement_file.py``; atomically): ``enable(model, placement=path)`` starts from it."""
+        """Writes the placement routed now, with the load it was computed from, to a placement file.
+
+        Args:
+            path: the file (``core/placement_file.py``), written atomically;
+                ``enable(model, placement=path)`` starts from it.
+        """
         identity = model_identity(self.model, [layer.spec for layer in self.layers], self.options)
         save_placement_file(path, PlacementRecord(identity, self.physical_to_logical().cpu(), self.last_load,
                                                   self.rearrangements, "enable"))
@@ -238,7 +220,14 @@ class EplbHandle:
         )
 
     def apply_placement(self, placements: torch.Tensor) -> torch.Tensor:
-        """Installs a placement [num_layers, num_physical] (validated whole, first)."""
+        """Moves the experts to a placement and routes by it.
+
+        Args:
+            placements: [num_layers, num_physical], slot -> logical expert; validated whole before
+                any weight moves.
+        Returns:
+            The placement installed, int64 on the host.
+        """
         if placements.dim() != 2 or placements.shape[0] != len(self.layers):
             raise ValueError(f"placement must be [num_layers={len(self.layers)}, num_physical], got {tuple(placements.shape)}")
         validate_layer_placements(placements, [layer.tables for layer in self.layers])  # all, before any move
@@ -273,9 +262,25 @@ def enable(
     adapters: tuple[MoEAdapter, ...] = DEFAULT_ADAPTERS,
     placement: str | os.PathLike | None = None,
 ) -> EplbHandle:
-    """Puts a MoE model under graph-mode EPLB (see the module docstring); ``placement``: a
-    placement file (``handle.save_placement``) the experts start from instead of the initial
-    placement, refused before any weight moves if it does not fit this model."""
+    """Puts a MoE model under graph-mode EPLB (see the module docstring).
+
+    Args:
+        model: the model; its MoE layers are found by the first adapter that finds any (those its
+            modules name first, then ``adapters``).
+        num_redundant_experts: extra physical slots per layer, for replicas of hot experts.
+        ep_size: how many EP ranks the physical experts are split over (the policy's view).
+        load_phase: which batches record load: ``all``, ``prefill`` or ``decode`` (``set_batch``).
+        strict: an unattributable router top-k is an error (True) or a warning.
+        verify: run the verifier on every graph the backend compiles.
+        adapters: the model adapters to try.
+        placement: a placement file (``handle.save_placement``) the experts start from instead of
+            the initial placement, refused before any weight moves if it does not fit this model.
+
+    Returns:
+        The ``EplbHandle``: the compile backends, ``set_batch``, ``rearrange``, ``save_placement``.
+    Raises:
+        ValueError: naming the module, with the model left exactly as it was.
+    """
     options = EplbOptions(num_redundant_experts, ep_size, load_phase, strict, verify)
     options.validate()
     adapter, specs = find_moe_layers(model, adapters)

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from eplb_graph.pytorch.enable import CompiledGraphRecord, EplbHandle, enable
+from eplb_graph.pytorch.backend import CompiledGraphRecord
+from eplb_graph.pytorch.enable import EplbHandle, enable
 from eplb_graph.tools.inspect_models import HF_FAMILIES, build_tiny_hf_model
 from eplb_graph.passes.insert_routing import is_routing_node
 from eplb_graph.passes.router_sites import RouterSite, topk_indices

@@ -26,7 +26,7 @@ def inductor_with_cpp_wrapper(graph_module, example_inputs):
 
 def prepare_forward(model, cfg: RunConfig, rank_layers, records: list):
     """The callable for the mode: the model itself (eager) or torch.compile with the EPLB pass."""
-    from eplb_graph.pytorch.enable import make_eplb_backend
+    from eplb_graph.pytorch.backend import make_eplb_backend
     from eplb_graph.passes.router_sites import RouterSpec
 
     if cfg.mode == "eager":
