@@ -23,6 +23,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -60,9 +61,10 @@ def rank_main(rank, world_size, init_method, cfg, steps):
         execute(self)
         moves.append((time.perf_counter() - start, self.bytes_received + self.bytes_sent - before))
 
-    mover.GlooStagedCommunicator.execute = timed_execute
     workload = cfg.workload()
-    with rank_session(rank, world_size, init_method, cfg) as (group, _):
+    # every move of this rank's session timed, the class as it was after it
+    with mock.patch.object(mover.GlooStagedCommunicator, "execute", timed_execute), \
+            rank_session(rank, world_size, init_method, cfg) as (group, _):
         stack = build_rank_stack(cfg, rank, world_size, group)
         controller, model = stack.controller, stack.models.model
         steady, rearranging, commit_host, steady_host = [], [], [], []
@@ -128,7 +130,8 @@ def run_config(args: argparse.Namespace):
     if args.steps < 1:
         raise SystemExit(f"bench_movement: --steps must be >= 1, got {args.steps}")
     cfg = RunConfig(
-        mode="eager", ranks=args.ranks, num_layers=args.layers, num_experts=args.experts, num_redundant=args.redundant,
+        mode="eager", ranks=args.ranks, num_layers=args.layers, num_experts=args.experts,
+        num_redundant_experts=args.redundant,
         hidden=args.hidden, expert_intermediate=args.intermediate, shared_expert_intermediate=0, top_k=2,
         decode_tokens=args.tokens, capture_sizes=(args.tokens, 4 * args.tokens), prefill_tokens=args.tokens,
         weight_format=args.format, window_size=args.window, step_interval=args.interval, drift_every=args.interval,

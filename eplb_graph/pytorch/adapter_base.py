@@ -39,6 +39,10 @@ class MoEAdapter:
         """Raises ValueError if this layer cannot run graph-mode EPLB as configured."""
 
     def set_num_physical(self, spec: MoELayerSpec, num_physical: int) -> None:
+        """The experts module counts its physical slots (``enable`` calls it once it has moved the
+        weights). An edit of the user's model, as ``enable``'s own are: the model was handed over to
+        be changed, whatever library its classes come from (the registry's scan allows user-model
+        edits here and in ``enable.py`` only)."""
         spec.experts.num_experts = num_physical
 
 

@@ -112,7 +112,8 @@ def _verdict(rows: list[dict], keys: list[str], missing_kernel: str | None = Non
 def what_it_serves(platform: str, rows: list[dict], vllm_kernels: dict) -> dict[str, dict[str, str]]:
     """What EPLB can serve here, each "yes" or "no: why" (the config gate refuses the rest by name)."""
     keys = {row["key"] for row in rows if row["applies"]}
-    core = sorted(k for k in keys if k.startswith(("gate.", "config.", "runner.", "capability.", "worker.")))
+    core = sorted(k for k in keys
+                  if k.startswith(("gate.", "config.", "imports.", "runner.", "capability.", "worker.")))
     pairs = sorted(k for k in keys if k.startswith("local_experts."))
     serves: dict[str, dict[str, str]] = {
         "modes": {"eager (router adapter)": _verdict(rows, core + ["router.apply_eplb_mapping"]),

@@ -1,8 +1,10 @@
 """Every change eplb-graph makes to upstream vLLM and torch at run time, declared in one table.
 
 The plugin and the runtime adapt upstream in a few narrow places: a module function swapped for
-one with the same contract, an upstream callable wrapped, a hook set on one instance, a module
-global set for a scope, a configuration value upstream would not choose. Each is an
+one with the same contract, an upstream callable wrapped, a hook set on one instance (or an
+attribute of ours added to one), a module global set for a scope, a field of the caller's object
+set around one upstream call, a configuration value upstream would not choose, an object of ours
+in an upstream list (the import system's finders). Each is an
 ``Adaptation`` here: its target (``module`` + ``qualname``), why it exists, when it applies, the
 shape it expects of the target, and the adaptation it is layered on (a wrapper of a wrapper is
 declared, never discovered). ``patches.py`` installs them (nothing else in the tree sets an
@@ -21,9 +23,11 @@ CHECKED_AGAINST = (("vllm", "0.32.0"), ("torch", "2.13.0"))
 HOW = {
     "replace": "the attribute is ours, with upstream's contract",
     "wrap": "upstream's callable runs inside ours",
-    "hook": "set on one instance (shadowing its class's attribute, or replacing what upstream's constructor set "
-            "there): the class and other instances keep upstream's",
+    "hook": "set on one instance (shadowing its class's attribute, replacing what upstream's constructor set "
+            "there, or adding one of ours upstream does not have): the class and other instances keep upstream's",
     "global": "a module global set for a scope, restored after",
+    "scoped": "a field of one upstream object set around one upstream call, its own value restored after",
+    "insert": "an object of ours put into an upstream list, taken out again on uninstall",
     "config": "a value (a configuration or state field, or an item of one) set on one upstream object where "
               "upstream would not set it; not taken back",
     "read": "nothing changed: our code relies on it as it is",
@@ -36,9 +40,11 @@ PLUGIN, RUNTIME, ELASTIC, PROBES = "vllm plugin", "reference runtime", "elastic 
 @dataclass(frozen=True)
 class Shape:
     """What the target must be: ``callable`` (taking ``params`` first, by name), ``class``,
-    ``property``, ``attribute`` (exists), ``field`` (a dataclass field), or ``instance`` (an
-    attribute the class's own code sets on its instances); ``item``: the key a ``config`` sets in
-    the (dict) field."""
+    ``property``, ``attribute`` (exists), ``field`` (a dataclass field), ``instance`` (an
+    attribute the class's own code sets on its instances), ``absent`` (an attribute of ours:
+    upstream's class has none and none of its code sets one, so one it gains is a clash, named),
+    or ``list`` (what an ``insert`` goes into); ``item``: the key a ``config`` sets in the (dict)
+    field."""
 
     kind: str
     params: tuple[str, ...] = ()
@@ -92,12 +98,15 @@ CPU_MOE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
 WNA16 = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
          "compressed_tensors_moe_wna16")
 CPU_COMMUNICATOR = "vllm.distributed.device_communicators.cpu_communicator"
+ARG_UTILS = "vllm.engine.arg_utils"
 PARALLEL_STATE = "vllm.distributed.parallel_state"
 
 _plugin, _plugin_cpu = When((PLUGIN,)), When((PLUGIN,), HOST)
 _EVERY_IMPORT = "in every vLLM process that imports it; with EPLB off it defers to upstream"
 _any_eplb = When((PLUGIN,), eplb_only=False, condition=_EVERY_IMPORT)
 _any_cpu = When((PLUGIN,), HOST, eplb_only=False, condition=_EVERY_IMPORT)
+_imports = When((PLUGIN,), eplb_only=False, condition="in every vLLM process, while a module adapted above (a runner, "
+                "a quant method, the metrics registry) is not imported yet")
 _capability = When((PLUGIN, RUNTIME, ELASTIC))
 _capability_host = When((PLUGIN, RUNTIME, ELASTIC), HOST)
 _runtime = When((RUNTIME, ELASTIC), HOST)
@@ -106,9 +115,15 @@ _elastic = When((ELASTIC,), HOST, condition="each elastic member's EPLB session"
 
 ADAPTATIONS: tuple[Adaptation, ...] = (
     # -- the vLLM plugin's entry points (vllm_plugin/config_gate.py, runner_hooks.py, quant_methods.py)
-    Adaptation("gate.create_engine_config", "vllm.engine.arg_utils", "EngineArgs.create_engine_config", "wrap",
+    Adaptation("gate.create_engine_config", ARG_UTILS, "EngineArgs.create_engine_config", "wrap",
                "refuses what eplb-graph cannot serve before any process starts, lifts the CPU refusal, installs the pass",
                _any_eplb, _fn("self", "usage_context")),
+    Adaptation("gate.args_enable_eplb", ARG_UTILS, "EngineArgs.enable_eplb", "scoped",
+               "off on the caller's arguments while upstream builds their config: ParallelConfig refuses EPLB on CPU",
+               _plugin_cpu, Shape("field")),
+    Adaptation("gate.args_eplb_config", ARG_UTILS, "EngineArgs.eplb_config", "scoped",
+               "upstream's default on the caller's arguments while upstream builds their config with EPLB off; the "
+               "request is set on the config built", _plugin_cpu, Shape("field")),
     Adaptation("gate.post_grad_pass", "vllm.config.compilation", "CompilationConfig.inductor_compile_config", "config",
                "puts VllmEplbPass in Inductor's post-grad slot, wrapping a user pass found there", _plugin,
                Shape("field", item="post_grad_custom_post_pass")),
@@ -118,6 +133,10 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
     Adaptation("config.cpu_eplb_config", "vllm.config.parallel", "ParallelConfig.eplb_config", "config",
                "sets the requested EPLB config (gloo communicator) on a config built with EPLB off",
                When((PLUGIN, RUNTIME, ELASTIC), HOST), Shape("field")),
+    Adaptation("config.cpu_eplb_communicator", "vllm.config.parallel", "EPLBConfig.communicator", "config",
+               "names torch_gloo on the copy of the request set on a CPU config: upstream's auto-selection lives in "
+               "the validator that config skipped", When((PLUGIN,), HOST, condition="no communicator requested"),
+               Shape("field")),
     Adaptation("runner.cpu_load_model", CPU_RUNNER, "CPUModelRunner.load_model", "wrap",
                "binds every MoE layer right after the runner loads its model", _any_cpu, _fn("self")),
     Adaptation("runner.gpu_load_model", GPU_RUNNER, "GPUModelRunner.load_model", "wrap",
@@ -136,6 +155,13 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
     Adaptation("metrics.registry", "vllm.entrypoints.serve.instrumentator.metrics", "get_prometheus_registry", "wrap",
                "adds the workers' EPLB metrics to the registry vLLM's /metrics serves",
                When((PLUGIN,), condition="vLLM's OpenAI server"), _fn()),
+    # -- calling back after vLLM imports an adapted module (vllm_plugin/import_hooks.py)
+    Adaptation("imports.after_import", "sys", "meta_path", "insert",
+               "one finder of ours, first: it finds nothing itself, it hooks the loader of a module a callback "
+               "waits for", _imports, Shape("list")),
+    Adaptation("imports.exec_module", "importlib.machinery", "SourceFileLoader.exec_module", "hook",
+               "on the loader of a module a callback waits for: upstream's exec_module, then the callbacks; "
+               "taken back once it ran", _imports, _fn("self", "module")),
     # -- the capability adapter (upstream/capability.py): upstream's async EPLB on host devices
     Adaptation("capability.state_event", EPLB_STATE, "CpuGpuEvent", "replace",
                "the staging handshake without device events (HostEvent)", _capability_host, Shape("class")),
@@ -181,6 +207,9 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
                "the controller decides a batch's record flag on the host with upstream's rule", _capability,
                _fn("self", "log_stats")),
     # -- one vLLM worker's instances (vllm_plugin/worker.py and the mappings it binds)
+    Adaptation("worker.on_runner", GPU_RUNNER, "GPUModelRunner.eplb_graph", "hook",
+               "the runner carries its VllmEplbWorker, which lives as long as it (the metrics and the engine tests "
+               "read it there): an attribute of ours upstream does not have", _plugin, Shape("absent")),
     Adaptation("worker.cpu_eplb_state", GPU_RUNNER, "GPUModelRunner.eplb_state", "hook",
                "the CPU runner builds no EplbState: the worker builds it as the GPU runner does", _plugin_cpu,
                Shape("instance")),

@@ -15,19 +15,22 @@ process whoever asks, and the record goes with the object it describes. The rule
 * the target is checked against its declared shape before anything is set, so an upstream
   change is refused by name where it is installed, never as an ``AttributeError`` later;
 * ``uninstall`` takes back the top of a stack only, restoring exactly what was there (an
-  attribute the owner inherited is deleted again, not copied down). ``configure`` values are
-  set, not taken back: they belong to one config or state object.
+  attribute the owner inherited, or one of ours it never had, is deleted again, not copied
+  down); an ``insert`` is taken out of its list again. ``scoped`` sets a field of one object
+  for the body of a ``with`` and takes it back there, whatever the body raised. ``configure``
+  values are set, not taken back: they belong to one config or state object.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
 import inspect
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from .adaptations import ADAPTATIONS, Adaptation, adaptation
@@ -36,6 +39,7 @@ LEDGER = "__eplb_graph_adaptations__"
 # installs and take-backs read and write the ledgers: one at a time in the process
 _LOCK = threading.RLock()
 
+ON_INSTANCE = ("hook", "scoped")  # set on the instance ``on``, not on the declared owner
 OK, MISSING, CHANGED, NOT_HERE, IMPORT_FAILED = "ok", "target missing", "signature changed", "not here", "import failed"
 BROKEN = (MISSING, CHANGED, IMPORT_FAILED)
 
@@ -82,7 +86,7 @@ def _owner(entry: Adaptation, *, import_module: bool = True) -> object | None:
 
 
 def _stack(owner: object, name: str) -> list[_Layer]:
-    ledger = vars(owner).get(LEDGER)
+    ledger = getattr(owner, "__dict__", {}).get(LEDGER)  # an object without one holds nothing of ours
     return [] if ledger is None else ledger.get(name, [])
 
 
@@ -93,6 +97,8 @@ def _shape_problem(entry: Adaptation, value: object) -> str | None:
         return f"expected a class, found {type(value).__name__}"
     if kind == "property" and not isinstance(value, property):
         return f"expected a property, found {type(value).__name__}"
+    if kind == "list" and not isinstance(value, list):
+        return f"expected a list, found {type(value).__name__}"
     if kind == "callable":
         if not callable(value):
             return f"expected a callable, found {type(value).__name__}"
@@ -147,6 +153,10 @@ def _target_problem(entry: Adaptation, owner: object) -> tuple[str, str] | None:
     if kind == "instance":
         present = hasattr(owner, name) if cls is not owner else _sets_on_instances(cls, name)
         return None if present else (MISSING, f"no code of {cls.__name__} sets it")
+    if kind == "absent":  # ours to add: upstream having one of that name is a clash
+        if hasattr(owner, name) or _sets_on_instances(cls, name):
+            return CHANGED, f"{cls.__name__} has an attribute {name} of its own"
+        return None
     try:
         value = _upstream_value(cls, name)
     except AttributeError:
@@ -198,19 +208,26 @@ def current(key: str) -> object:
 
 
 def _placed(entry: Adaptation, on: object | None, *, importing: bool = True) -> object | None:
-    """The object the adaptation sets its attribute on: the instance ``on`` for a hook, else the
-    declared owner."""
-    if (entry.how == "hook") != (on is not None):
+    """The object the adaptation sets its attribute on: the instance ``on`` for a hook or a
+    scoped value, else the declared owner."""
+    if (entry.how in ON_INSTANCE) != (on is not None):
         raise AdaptationError(f"{entry.key} is a {entry.how}: it goes {'on an instance' if on is None else 'on its target'}")
     return on if on is not None else _owner(entry, import_module=importing)
 
 
 def install(key: str, replacement: object, *, by: object, on: object | None = None) -> None:
-    """Sets ``replacement`` on the target of ``key`` (on the instance ``on`` for a hook).
-    Idempotent for the same installer ``by``; see the module docstring for the rules."""
+    """Sets ``replacement`` on the target of ``key`` (on the instance ``on`` for a hook; for an
+    ``insert``, puts it first in the target list). Idempotent for the same installer ``by``; see
+    the module docstring for the rules."""
     entry = adaptation(key)
-    if entry.how in ("config", "read"):
-        raise AdaptationError(f"{key} is a {entry.how}: {'configure() it' if entry.how == 'config' else 'require() it'}")
+    if entry.how in ("config", "read", "scoped"):
+        raise AdaptationError(f"{key} is a {entry.how}: "
+                              f"{dict(config='configure()', read='require()', scoped='scoped()')[entry.how]} it")
+    _install(entry, replacement, by=by, on=on)
+
+
+def _install(entry: Adaptation, replacement: object, *, by: object, on: object | None) -> None:
+    key = entry.key
     with _LOCK:
         owner = _placed(entry, on)
         if owner is None:
@@ -233,7 +250,24 @@ def install(key: str, replacement: object, *, by: object, on: object | None = No
             setattr(owner, LEDGER, {})
         vars(owner)[LEDGER].setdefault(name, []).append(
             _Layer(key, by, replacement, vars(owner).get(name), name in vars(owner)))
-        setattr(owner, name, replacement)
+        if entry.how == "insert":
+            getattr(owner, name).insert(0, replacement)
+        else:
+            setattr(owner, name, replacement)
+
+
+@contextlib.contextmanager
+def scoped(key: str, value: object, *, on: object, by: object) -> Iterator[None]:
+    """Sets the declared ``scoped`` field of the upstream object ``on`` to ``value`` for the body
+    of the ``with``, and puts ``on``'s own value back after it, also when the body raised."""
+    entry = adaptation(key)
+    if entry.how != "scoped":
+        raise AdaptationError(f"{key} is a {entry.how}, not a scoped value")
+    _install(entry, value, by=by, on=on)
+    try:
+        yield
+    finally:
+        uninstall(key, on=on)
 
 
 def configure(key: str, value: object, *, on: object) -> None:
@@ -264,7 +298,13 @@ def uninstall(key: str, *, on: object | None = None) -> None:
         if stack[-1].key != key:
             raise AdaptationError(f"{entry.target}: {stack[-1].key} is installed over {key}; take it back first")
         layer = stack.pop()
-        if layer.had_own:
+        if entry.how == "insert":
+            items = getattr(owner, name)
+            for index, item in enumerate(items):
+                if item is layer.replacement:
+                    del items[index]
+                    break
+        elif layer.had_own:
             setattr(owner, name, layer.original)
         else:
             delattr(owner, name)
@@ -282,9 +322,10 @@ def installed(key: str, *, on: object | None = None) -> bool:
 
 
 def installed_keys() -> list[str]:
-    """Every adaptation installed on a module or class in this process (hooks live on instances
-    and are not listed), in the table's order; imports nothing."""
-    return [entry.key for entry in ADAPTATIONS if entry.how in ("replace", "wrap", "global") and installed(entry.key)]
+    """Every adaptation installed on a module or class in this process (hooks and scoped values
+    live on instances and are not listed), in the table's order; imports nothing."""
+    return [entry.key for entry in ADAPTATIONS
+            if entry.how in ("replace", "wrap", "global", "insert") and installed(entry.key)]
 
 
 def uninstall_all(keys: Iterable[str] | None = None) -> list[str]:

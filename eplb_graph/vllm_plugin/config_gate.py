@@ -14,8 +14,9 @@ on it:
    schemes): each layer's method and tensors are checked when it is built (upstream's
    ``supports_eplb``) and when the worker binds it (``expert_views``), still before serving;
 2. on CPU, where ``ParallelConfig`` refuses EPLB (CUDA/ROCm/XPU only, and TP x PCP x DP > 1),
-   builds the config with EPLB off and then sets the user's EPLB fields on the result --
-   the capability adapter makes upstream's EPLB work there (``worker.py``);
+   builds the config with EPLB off (the arguments' two EPLB fields off for that call only,
+   ``patches.scoped``) and then sets the user's EPLB fields on the result -- the capability
+   adapter makes upstream's EPLB work there (``worker.py``);
 3. puts ``VllmEplbPass`` into the post-grad pass slot, wrapping a user pass found there.
 """
 
@@ -146,16 +147,15 @@ def create_engine_config_with_eplb(upstream_create, engine_args, *args, **kwargs
         from vllm.config.parallel import EPLBConfig
 
         # ParallelConfig would refuse: build with EPLB off, then set a copy of the request on the result
-        # (the user's arguments are left as given, also when what follows refuses the checkpoint).
+        # (on the caller's arguments, not a copy: upstream's changes to their other fields reach the caller,
+        # as without EPLB; the two fields are given back as they were, also when upstream refuses).
         requested = engine_args.eplb_config
-        engine_args.enable_eplb, engine_args.eplb_config = False, EPLBConfig()
-        try:
+        with patches.scoped("gate.args_enable_eplb", False, on=engine_args, by=PLUGIN), \
+                patches.scoped("gate.args_eplb_config", EPLBConfig(), on=engine_args, by=PLUGIN):
             config = upstream_create(engine_args, *args, **kwargs)
-        finally:
-            engine_args.enable_eplb, engine_args.eplb_config = True, requested
         eplb = copy.deepcopy(requested)
-        if eplb.communicator is None:
-            eplb.communicator = "torch_gloo"  # upstream's auto-selection lives in the validator we skipped
+        if eplb.communicator is None:  # upstream's auto-selection lives in the validator we skipped
+            patches.configure("config.cpu_eplb_communicator", "torch_gloo", on=eplb)
         patches.configure("config.cpu_enable_eplb", True, on=config.parallel_config)
         patches.configure("config.cpu_eplb_config", eplb, on=config.parallel_config)
     else:

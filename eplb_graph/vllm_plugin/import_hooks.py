@@ -3,16 +3,23 @@
 The plugin loads in every vLLM process; the modules it adapts (model runners, quant methods)
 are heavy and many processes never need them, so each adaptation waits for vLLM's own import
 of its module (or runs at once, if the module is already imported). One finder serves every
-hook; a module nobody imports is never touched.
+hook; a module nobody imports is never touched. Both changes to the import system are declared
+adaptations (``imports.*``): the finder goes into ``sys.meta_path`` through the registry (which
+takes it out again on ``uninstall``), and the hook on a waited-for module's loader comes off
+as soon as that module has executed.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import sys
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from types import ModuleType
+
+from eplb_graph.upstream import patches
+from eplb_graph.upstream.adaptations import PLUGIN
 
 
 class AfterImport(importlib.abc.MetaPathFinder):
@@ -33,15 +40,23 @@ class AfterImport(importlib.abc.MetaPathFinder):
                 break
         else:
             return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            upstream_exec = spec.loader.exec_module  # a loader instance serves this one module
+        loader = spec.loader
+        if loader is not None and hasattr(loader, "exec_module"):
+            upstream_exec = loader.exec_module  # a loader instance serves this one module
 
             def exec_module(module: ModuleType) -> None:
-                upstream_exec(module)
+                try:
+                    upstream_exec(module)
+                finally:
+                    patches.uninstall("imports.exec_module", on=loader)  # the loader as it was, once it ran
                 for callback in list(callbacks.values()):
                     callback(module)
 
-            spec.loader.exec_module = exec_module
+            try:
+                patches.install("imports.exec_module", exec_module, by=self, on=loader)
+            except patches.AdaptationError as error:  # never failing vLLM's import: its module as upstream's
+                warnings.warn(f"eplb-graph cannot call back after importing {fullname}: {error}", RuntimeWarning,
+                              stacklevel=2)
         return spec
 
 
@@ -56,5 +71,5 @@ def call_after_import(module_name: str, key: str, callback: Callable[[ModuleType
     finder = next((f for f in sys.meta_path if isinstance(f, AfterImport)), None)
     if finder is None:
         finder = AfterImport()
-        sys.meta_path.insert(0, finder)
+        patches.install("imports.after_import", finder, by=PLUGIN)
     finder.callbacks[module_name][key] = callback

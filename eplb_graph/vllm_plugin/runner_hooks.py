@@ -37,7 +37,7 @@ def attach_after_load(runner) -> None:
         )
     from .worker import VllmEplbWorker
 
-    runner.eplb_graph = VllmEplbWorker(runner)
+    patches.install("worker.on_runner", VllmEplbWorker(runner), by=PLUGIN, on=runner)  # runner.eplb_graph
 
 
 def wrap_load_model(key: str) -> None:

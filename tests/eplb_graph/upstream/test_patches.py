@@ -132,6 +132,67 @@ def test_an_inherited_attribute_is_deleted_again_not_copied_down():
         del sys.modules[entry.module]
 
 
+def test_a_scoped_field_is_set_for_the_body_and_given_back_also_when_it_raises():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Args:  # the fields of EngineArgs the gate turns off around upstream's call
+        enable_eplb: bool = True
+        eplb_config: object = None
+
+    requested = object()
+    args = Args(eplb_config=requested)
+    with patches.scoped("gate.args_enable_eplb", False, on=args, by="test"), \
+            patches.scoped("gate.args_eplb_config", "default", on=args, by="test"):
+        assert (args.enable_eplb, args.eplb_config) == (False, "default")
+    assert args.enable_eplb is True and args.eplb_config is requested and patches.LEDGER not in vars(args)
+    with pytest.raises(ValueError, match="refused"):
+        with patches.scoped("gate.args_enable_eplb", False, on=args, by="test"):
+            raise ValueError("refused")
+    assert args.enable_eplb is True and patches.LEDGER not in vars(args)
+    with pytest.raises(patches.AdaptationError, match="gate.args_enable_eplb is a scoped: scoped"):
+        patches.install("gate.args_enable_eplb", False, by="test", on=args)
+    with pytest.raises(patches.AdaptationError, match=r"EngineArgs.enable_eplb: target missing"):
+        with patches.scoped("gate.args_enable_eplb", False, on=object(), by="test"):
+            pass
+
+
+def test_an_attribute_of_ours_goes_on_one_instance_and_one_of_upstream_is_a_clash():
+    class Runner:
+        def load_model(self):
+            self.model = "loaded"
+
+    runner, other = Runner(), Runner()
+    worker = object()
+    patches.install("worker.on_runner", worker, by="test", on=runner)
+    assert runner.eplb_graph is worker and not hasattr(other, "eplb_graph")
+    patches.uninstall("worker.on_runner", on=runner)
+    assert not hasattr(runner, "eplb_graph") and patches.LEDGER not in vars(runner)
+
+    class Grown(Runner):  # upstream names an attribute of its own so
+        def load_model(self):
+            self.eplb_graph = "upstream's"
+
+    with pytest.raises(patches.AdaptationError, match="GPUModelRunner.eplb_graph: signature changed "
+                                                      r"\(Grown has an attribute eplb_graph of its own\)"):
+        patches.install("worker.on_runner", worker, by="test", on=Grown())
+
+
+def test_an_insert_goes_first_in_its_list_and_comes_out_again(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # this test's own list, and ledger
+    monkeypatch.delattr(sys, patches.LEDGER, raising=False)
+    before = list(sys.meta_path)
+    finder = object()
+    patches.install("imports.after_import", finder, by="test")
+    patches.install("imports.after_import", finder, by="test")  # once
+    assert sys.meta_path == [finder, *before] and "imports.after_import" in patches.installed_keys()
+    assert patches.check(adaptation("imports.after_import")).status == patches.OK
+    patches.uninstall("imports.after_import")
+    assert sys.meta_path == before and not patches.installed("imports.after_import")
+
+
 def test_configure_checks_the_field_and_refuses_other_kinds():
     from vllm.config import ParallelConfig
 
