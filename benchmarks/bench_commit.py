@@ -3,11 +3,11 @@
 Between two graph replays, upstream's ``_move_to_workspace`` commits a layer's new placement
 with ``_commit_eplb_maps_for_layer``, which inverts it with ``compute_logical_maps`` -- a
 Python loop over the physical slots -- before the worker may move the next layer. The
-capability adapter puts ``layer_lookup.logical_maps`` (vectorized, same contract) in its
+capability adaptations put ``layer_lookup.logical_maps`` (vectorized, same contract) in its
 place. Timed here, interleaved round after round in one process, on the same placements:
 
   * ``upstream``: upstream's commit as shipped, then our lookup refresh (the commit hook);
-  * ``adapter``: the commit as it runs under ``UpstreamCapabilityAdapter`` (upstream's
+  * ``adapter``: the commit as it runs under ``CapabilityAdaptations`` (upstream's
     commit with the inversion swapped, then the same refresh through the hook);
 
 and the two must leave upstream's maps and our lookup bit-identical. No processes, no
@@ -69,7 +69,7 @@ def upstream_model_state(num_logical: int, num_redundant_experts: int, num_layer
 def bench_shape(num_logical: int, num_redundant_experts: int, rounds: int, num_layers: int = 2) -> dict:
     from vllm.distributed.eplb import eplb_state
 
-    from eplb_graph.upstream.capability import UpstreamCapabilityAdapter
+    from eplb_graph.upstream.capability import CapabilityAdaptations
 
     upstream_commit = eplb_state._commit_eplb_maps_for_layer
     upstream_inversion = eplb_state.compute_logical_maps
@@ -82,7 +82,7 @@ def bench_shape(num_logical: int, num_redundant_experts: int, rounds: int, num_l
             lookups[name][layer].refresh_(model_state.physical_to_logical_map[layer])
         return commit_hook
 
-    adapter = UpstreamCapabilityAdapter(torch.device("cpu"), commit_hook=refresh("adapter"))
+    adapter = CapabilityAdaptations(torch.device("cpu"), commit_hook=refresh("adapter"))
     upstream_hook = refresh("upstream")
 
     def commit_upstream(placement, layer):

@@ -8,7 +8,7 @@ the thread launching the next forward or replay can wait (``bench_policy_stall.p
 that stall for the policy). Timed here, interleaved round after round on the same placements:
 
   * ``upstream``: ``move_to_buffer`` as shipped;
-  * ``adapter``: ``move_to_buffer`` under ``UpstreamCapabilityAdapter``, which puts
+  * ``adapter``: ``move_to_buffer`` under ``CapabilityAdaptations``, which puts
     ``transfer_peers.ranks_with_experts`` in place of the per-expert loop (its other patch on
     this path, the host-aware ``device_stream``, is the same no-op as upstream's for the
     ``stream=None`` timed here, so the difference is the planning);
@@ -87,10 +87,10 @@ def placement_pairs(num_logical: int, num_redundant_experts: int, count: int, se
 def bench_shape(num_logical: int, num_redundant_experts: int, ranks: int, rounds: int) -> dict:
     from vllm.distributed.eplb import rebalance_execute
 
-    from eplb_graph.upstream.capability import UpstreamCapabilityAdapter
+    from eplb_graph.upstream.capability import CapabilityAdaptations
 
     num_local = (num_logical + num_redundant_experts) // ranks
-    adapter = UpstreamCapabilityAdapter(torch.device("cpu"), commit_hook=lambda model_state, layer: None)
+    adapter = CapabilityAdaptations(torch.device("cpu"), commit_hook=lambda model_state, layer: None)
     pairs = placement_pairs(num_logical, num_redundant_experts, count=8, seed=num_logical + ranks)
     weight = torch.randn(num_local, HIDDEN)
     samples = {"upstream": [], "adapter": []}

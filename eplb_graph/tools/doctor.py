@@ -116,7 +116,7 @@ def what_it_serves(platform: str, rows: list[dict], vllm_kernels: dict) -> dict[
                   if k.startswith(("gate.", "config.", "imports.", "runner.", "capability.", "worker.")))
     pairs = sorted(k for k in keys if k.startswith("local_experts."))
     serves: dict[str, dict[str, str]] = {
-        "modes": {"eager (router adapter)": _verdict(rows, core + ["router.apply_eplb_mapping"]),
+        "modes": {"eager (router hook)": _verdict(rows, core + ["router.apply_eplb_mapping"]),
                   "compiled, Inductor (graph pass)": _verdict(rows, core)},
         "quantizations": {}, "parallel": {}, "elastic": {},
     }

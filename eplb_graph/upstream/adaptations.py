@@ -162,7 +162,7 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
     Adaptation("imports.exec_module", "importlib.machinery", "SourceFileLoader.exec_module", "hook",
                "on the loader of a module a callback waits for: upstream's exec_module, then the callbacks; "
                "taken back once it ran", _imports, _fn("self", "module")),
-    # -- the capability adapter (upstream/capability.py): upstream's async EPLB on host devices
+    # -- the capability adaptations (upstream/capability.py): upstream's async EPLB on host devices
     Adaptation("capability.state_event", EPLB_STATE, "CpuGpuEvent", "replace",
                "the staging handshake without device events (HostEvent)", _capability_host, Shape("class")),
     Adaptation("capability.state_timing_event", EPLB_STATE, "torch", "replace",
@@ -231,7 +231,7 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
     Adaptation("router.apply_eplb_mapping", "vllm.model_executor.layers.fused_moe.router.base_router",
                "BaseRouter._apply_eplb_mapping", "hook",
                "maps layers whose top-k no graph of ours sees (eager, opaque moe_forward) through our op",
-               When((PLUGIN,), condition="layers mapped by the router adapter"), _fn("self", "topk_ids")),
+               When((PLUGIN,), condition="layers mapped by the router hook"), _fn("self", "topk_ids")),
     *(Adaptation(f"local_experts.{name}", CPU_MOE, f"{cls}.apply", "hook",
                  "under expert parallel on CPU, this rank's experts compute only the (token, k) pairs routed to it",
                  When((PLUGIN,), HOST, condition="expert parallel over TP or DP workers"),
@@ -265,7 +265,7 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
                Shape("attribute")),
     Adaptation("elastic.node_count", PARALLEL_STATE, "_NODE_COUNT", "global",
                "the policy's hierarchy: one node, as the resizes' reshuffle assumes", _elastic, Shape("attribute")),
-    # -- the step breakdown's probes (runtime/step_probes.py), over the capability adapter
+    # -- the step breakdown's probes (runtime/step_probes.py), over the capability adaptations
     *(Adaptation(f"probes.state_{name}", EPLB_STATE, f"EplbState.{method}", "hook",
                  "times upstream's EPLB step phases on the serving thread", _probes, _fn(*params))
       for name, method, params in (("step", "step", ("self", "is_dummy")),

@@ -4,7 +4,7 @@ Upstream owns the placement (invariant 1), the window, the policy and the async 
 object owns only the boundaries, the same for our runtime's controller and for the vLLM
 plugin's worker:
 
-* it installs the capability adapter before the caller builds ``EplbState`` (which constructs
+* it installs the capability adaptations before the caller builds ``EplbState`` (which constructs
   events and starts the worker), and takes it back on ``close``;
 * each placement upstream's policy returns is checked against the bound layers' tables before
   any byte moves; an invalid one is replaced by the current placement and reported;
@@ -24,7 +24,7 @@ import torch
 
 from eplb_graph.core.layer_lookup import LayerLookup
 from eplb_graph.core.placement import validate_layer_placements
-from eplb_graph.upstream.capability import UpstreamCapabilityAdapter, ends_rearrangement
+from eplb_graph.upstream.capability import CapabilityAdaptations, ends_rearrangement
 from eplb_graph.upstream.watchdog import StallBound, StallWatchdog
 
 
@@ -69,7 +69,7 @@ class UpstreamBinding:
         self.watchdog = StallWatchdog(stall_bound or StallBound())  # validated before any patch goes in
         self._layers: dict[int, list[BoundLayer]] = {}  # id(upstream model) -> its layers, upstream's order
         self._restoring = False
-        self.adapter = UpstreamCapabilityAdapter(
+        self.capabilities = CapabilityAdaptations(
             torch.device(device), commit_hook=self._after_commit, placement_check=self.check_placements
         ).install()
 
@@ -90,7 +90,7 @@ class UpstreamBinding:
                              f"({type(model_state.model).__name__})")
         return layers
 
-    # -- upstream's hooks (the capability adapter calls them) ------------------------------
+    # -- upstream's hooks (the capability adaptations call them) ------------------------------
 
     def check_placements(self, model_state, placements: torch.Tensor) -> None:
         """ValueError unless ``placements`` [L, P] fit every bound layer's tables."""
@@ -130,7 +130,7 @@ class UpstreamBinding:
             committed, target, model_state.model.expert_weights, model_state.expert_buffer,
             get_ep_group().device_group, model_state.communicator)
         self._restoring = True
-        try:  # through the module attribute: the capability adapter's commit_all wrap refreshes our lookups
+        try:  # through the module attribute: the capability adaptations' commit_all wrap refreshes our lookups
             eplb_state._commit_eplb_maps(model_state, new_physical_to_logical_map=target)
         finally:
             self._restoring = False
@@ -139,15 +139,15 @@ class UpstreamBinding:
 
     @property
     def worker_error(self) -> BaseException | None:
-        return self.adapter.health.error
+        return self.capabilities.health.error
 
     @property
     def rejected_placements(self) -> list[str]:
-        return self.adapter.health.rejected_placements
+        return self.capabilities.health.rejected_placements
 
     def check_worker(self, where: str) -> None:
         """Raises ``EplbWorkerError`` on the main thread if upstream's async worker died."""
-        self.adapter.health.raise_if_dead(where)
+        self.capabilities.health.raise_if_dead(where)
 
     def after_step(self, *, in_flight: bool, where: str) -> None:
         """After each of upstream's steps: a rearrangement in flight too long with no layer
@@ -159,4 +159,4 @@ class UpstreamBinding:
         return self.watchdog.stalls
 
     def close(self) -> None:
-        self.adapter.uninstall()
+        self.capabilities.uninstall()

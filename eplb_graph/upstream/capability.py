@@ -1,4 +1,4 @@
-"""Capability adapter: lets upstream vLLM's async EPLB run where it does not today (CPU, NPU).
+"""Capability adaptations: lets upstream vLLM's async EPLB run where it does not today (CPU, NPU).
 
 Upstream's control plane assumes a device with events and streams: ``CpuGpuEvent``
 records a ``torch.Event``, the async worker makes a ``torch.Stream`` on
@@ -11,7 +11,7 @@ replays at every layer commit that grows with the expert count (``bench_commit.p
 Each gap is one named patch of the name *where upstream imports it*, never a rewrite of
 upstream logic, declared in ``adaptations.py`` (``capability.*``) and installed through
 ``patches.py``: each target is checked against its declared shape first, so an upstream
-refactor fails loudly instead of silently bypassing the adapter. Installing is idempotent and
+refactor fails loudly instead of silently bypassing the adaptations. Installing is idempotent and
 all or nothing, and ``uninstall`` takes every patch back. Two patches swap an upstream function for a faster one with the
 same contract (vectorized; equal outputs are tested against upstream's on every input
 class): ``compute_logical_maps`` for ``layer_lookup.logical_maps`` on the main thread, and
@@ -163,7 +163,7 @@ def ends_rearrangement(model_state, layer_index: int | None) -> bool:
     return layer_index is None or layer_index == model_state.model.num_moe_layers - 1
 
 
-class UpstreamCapabilityAdapter:
+class CapabilityAdaptations:
     """Installs the narrow patches for one process; see the module docstring."""
 
     def __init__(
@@ -190,7 +190,7 @@ class UpstreamCapabilityAdapter:
         patches.install(key, replacement, by=self)
         self._keys.append(key)
 
-    def install(self) -> UpstreamCapabilityAdapter:
+    def install(self) -> CapabilityAdaptations:
         """Installs every patch this device needs, or none (an error takes back what went in)."""
         if self._keys:
             return self  # idempotent

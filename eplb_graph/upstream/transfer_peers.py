@@ -9,7 +9,7 @@ next forward or replay waits for it.
 
 ``ranks_with_experts`` keeps that contract with one scatter per placement into a
 [queried experts, ranks] table and a short Python pass over its rows; the capability
-adapter (``upstream.capability``) puts it in upstream's place. Tests hold it equal to
+adaptations (``upstream.capability``) put it in upstream's place. Tests hold it equal to
 upstream's function on generated placements (empty slots and odd queries included).
 """
 

@@ -7,11 +7,11 @@ How vllm-ascend runs eplb-graph, as far as this package is concerned:
   like the CPU and GPU runners (``runner_hooks.py``), so ``VllmEplbWorker`` binds the MoE
   layers after load.
 * MoE forward on Ascend runs inside the opaque ``torch.ops.vllm.moe_forward`` (no top-k in
-  any graph), so every layer is mapped by the router adapter; ACL graphs (vllm-ascend's
+  any graph), so every layer is mapped by the router hook; ACL graphs (vllm-ascend's
   ``ACLGraphWrapper``) capture our op with the layer's stable tables, which are refreshed
   in place at upstream's commits, so replays route by the committed placement.
 * torchair graph mode compiles through ``eplb_graph.passes.inductor_pass.torchair_backend``;
-  the pass finds no traced router top-k there and leaves the router adapter's op alone.
+  the pass finds no traced router top-k there and leaves the router hook's op alone.
 
 As read in vllm-ascend's source (the commit in ``tests/eplb_graph/vllm_plugin/ascend_names.py``): the V2
 runner inherits vLLM's Model Runner V2 ``load_model`` and keeps its EPLB state in

@@ -16,7 +16,7 @@ on it:
 2. on CPU, where ``ParallelConfig`` refuses EPLB (CUDA/ROCm/XPU only, and TP x PCP x DP > 1),
    builds the config with EPLB off (the arguments' two EPLB fields off for that call only,
    ``patches.scoped``) and then sets the user's EPLB fields on the result -- the capability
-   adapter makes upstream's EPLB work there (``worker.py``);
+   adaptations make upstream's EPLB work there (``worker.py``);
 3. puts ``VllmEplbPass`` into the post-grad pass slot, wrapping a user pass found there.
 """
 

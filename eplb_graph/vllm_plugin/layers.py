@@ -12,9 +12,9 @@ Each layer is mapped by exactly one mechanism (``mapped_by``):
 
 * ``graph_pass``: vLLM traces the router's top-k (the CPU path); the post-grad pass inserts
   ``map_and_record_layer`` after it;
-* ``router_adapter``: top-k runs where no pass sees it (eager, or inside the opaque
+* ``router_hook``: top-k runs where no pass sees it (eager, or inside the opaque
   ``torch.ops.vllm.moe_forward`` on CUDA and Ascend); the router instance's EPLB mapping
-  hook is bound to our op (``router_adapter.py``).
+  hook is bound to our op (``router_hook.py``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from eplb_graph.core.layer_lookup import BatchFlags, LayerLookup, RoutedLayer
 from eplb_graph.passes.router_sites import RouterSpec
 
 GRAPH_PASS = "graph_pass"
-ROUTER_ADAPTER = "router_adapter"
-MAPPING_MECHANISMS = (GRAPH_PASS, ROUTER_ADAPTER)
+ROUTER_HOOK = "router_hook"
+MAPPING_MECHANISMS = (GRAPH_PASS, ROUTER_HOOK)
 
 # vLLM runs the router and the fused experts inside one module (MoERunner); the router's
 # own nodes are the ones whose innermost frame is in vLLM's router package.

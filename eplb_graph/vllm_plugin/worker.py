@@ -6,7 +6,7 @@ forward, ``eplb_step`` after). This object only connects the boundaries:
 * on a platform where upstream's runner builds no ``EplbState`` (the CPU model runner),
   it builds one exactly as the GPU runner does (``add_model``, then the async loop);
 * ``UpstreamBinding`` (the same one our runtime's controller uses) installs the capability
-  adapter, checks each policy placement, and refreshes our lookups between upstream's commit
+  adaptations, checks each policy placement, and refreshes our lookups between upstream's commit
   of a layer and its acknowledgement, so they never route by an uncommitted placement
   (invariants 3, 6);
 * every MoE layer becomes a ``VllmMoELayer`` mapped by exactly one mechanism, and its experts'
@@ -28,11 +28,11 @@ from eplb_graph.upstream import patches
 from eplb_graph.upstream.binding import UpstreamBinding
 from eplb_graph.upstream.watchdog import stall_bound_from_env
 
-from . import kept_placement, router_adapter
+from . import kept_placement, router_hook
 from .compile_watch import CompileWatch
 from .dp_dispatch import bind_dp_dispatch
 from .expert_views import ExpertWeightView, complete_move_list
-from .layers import GRAPH_PASS, ROUTER_ADAPTER, VllmMoELayer
+from .layers import GRAPH_PASS, ROUTER_HOOK, VllmMoELayer
 from .active_line import log_active, vllm_logger
 from .local_experts import LocalPairExperts
 from .metrics import WorkerMetrics
@@ -81,7 +81,7 @@ def mapping_mechanism(moe_runner: torch.nn.Module, compilation_config, traced_pa
     traced = getattr(moe_runner, "_forward_entry", None) not in opaque_entries
     compiled = compilation_config.mode in (CompilationMode.DYNAMO_TRACE_ONCE, CompilationMode.VLLM_COMPILE)
     inductor = compilation_config.backend in ("inductor", "")
-    return GRAPH_PASS if traced and compiled and inductor and traced_path is not None else ROUTER_ADAPTER
+    return GRAPH_PASS if traced and compiled and inductor and traced_path is not None else ROUTER_HOOK
 
 
 class VllmEplbWorker:
@@ -138,8 +138,8 @@ class VllmEplbWorker:
                     mapped_by=mapped_by,
                     router_path=traced_path,
                 )
-                if mapped_by == ROUTER_ADAPTER:
-                    router_adapter.bind_router(moe_runner.router, layer.key)
+                if mapped_by == ROUTER_HOOK:
+                    router_hook.hook_router(moe_runner.router, layer.key)
                 if torch.device(runner.device).type == "cpu" and moe_runner.routed_experts.use_ep:
                     self.local_experts[layer.key] = LocalPairExperts(moe_runner.routed_experts, layer.key)
                 layers.append(layer)
@@ -247,11 +247,11 @@ class VllmEplbWorker:
         """Each layer is routed by exactly its mechanism; returns {layer: mechanism}."""
         problems = []
         for layer in self.layers:
-            adapter_bound = router_adapter.is_bound(layer.router)
-            if layer.mapped_by == GRAPH_PASS and adapter_bound:
-                problems.append(f"{layer.key}: mapped by the graph pass but its router adapter is bound too")
-            if layer.mapped_by == ROUTER_ADAPTER and (not adapter_bound or layer.graph_mappings):
-                problems.append(f"{layer.key}: mapped by the router adapter but bound={adapter_bound}, "
+            hook_bound = router_hook.is_bound(layer.router)
+            if layer.mapped_by == GRAPH_PASS and hook_bound:
+                problems.append(f"{layer.key}: mapped by the graph pass but its router hook is bound too")
+            if layer.mapped_by == ROUTER_HOOK and (not hook_bound or layer.graph_mappings):
+                problems.append(f"{layer.key}: mapped by the router hook but bound={hook_bound}, "
                                 f"graph mappings={layer.graph_mappings}")
             if require_calls and layer.mapped_by == GRAPH_PASS and layer.host_calls == 0:
                 problems.append(f"{layer.key}: mapped by the graph pass, but the compiled graph never ran the routing "

@@ -4,7 +4,7 @@ What it proves, on a machine without CANN or torch_npu: that our NPU code paths 
 device whose tensors have device type ``npu`` and dispatch on PrivateUse1 -- the ops'
 PrivateUse1 registrations, device placement (``.to("npu")``, ``.cpu()``, tensors made on the
 device), views, in-place and ``out=`` aliasing, ``data_ptr`` stability of in-place refreshes,
-host staging between processes, the capability adapter's device branches (device index,
+host staging between processes, the capability adaptations' device branches (device index,
 streams, events), and graph capture whose replay reads the captured tensors by address and
 whose capture refuses host syncs and data-dependent shapes.
 

@@ -1,4 +1,4 @@
-"""The capability adapter's device branches on ``npu``: no host events swapped in, the async
+"""The capability adaptations' device branches on ``npu``: no host events swapped in, the async
 worker started on its rank's NPU with a device stream, upstream's own events and streams."""
 
 import pytest
@@ -6,13 +6,13 @@ import torch
 
 pytest.importorskip("vllm")
 
-from eplb_graph.upstream.capability import HostEvent, UpstreamCapabilityAdapter  # noqa: E402
+from eplb_graph.upstream.capability import HostEvent, CapabilityAdaptations  # noqa: E402
 
 
 def test_on_npu_upstream_keeps_its_device_events_and_streams(npu_emulation):
     from vllm.distributed.eplb import async_worker, eplb_state
 
-    adapter = UpstreamCapabilityAdapter(torch.device("npu", 1), commit_hook=lambda state, layer: None).install()
+    adapter = CapabilityAdaptations(torch.device("npu", 1), commit_hook=lambda state, layer: None).install()
     try:
         assert not adapter.host_device
         assert eplb_state.CpuGpuEvent is not HostEvent and async_worker.CpuGpuEvent is not HostEvent
@@ -31,7 +31,7 @@ def test_the_async_worker_starts_on_its_ranks_npu_with_a_device_stream(npu_emula
     monkeypatch.setattr(async_worker, "transfer_run_periodically",
                         lambda state, stream, is_profile: started.append((state, stream, is_profile)))
     monkeypatch.setattr(torch.accelerator, "set_device_index", indices.append)
-    adapter = UpstreamCapabilityAdapter(torch.device("npu", 1), commit_hook=lambda state, layer: None)
+    adapter = CapabilityAdaptations(torch.device("npu", 1), commit_hook=lambda state, layer: None)
     adapter._start_async_worker("state", is_profile=True).join(timeout=30)
 
     assert adapter.health.alive, adapter.health.traceback

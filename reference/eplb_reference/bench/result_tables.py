@@ -203,7 +203,7 @@ TITLES = {
     "data_plane_cpp_wrapper": "`eplb-graph bench --data-plane --mode compiled --cpp-wrapper`",
     "routing_ops": "`bench_routing_ops.py` (the registered op against the same math inline)",
     "op_in_step": "`bench_op_in_step.py` (one routing-op call right after a compiled step)",
-    "commit": "`bench_commit.py` (a layer commit as upstream ships it, and under the capability adapter)",
+    "commit": "`bench_commit.py` (a layer commit as upstream ships it, and under the capability adaptations)",
     "transfer_planning": "`bench_transfer_planning.py` (the async worker's per-layer transfer planning)",
     "policy_stall": "`bench_policy_stall.py` (a main-thread step beside upstream's policy, in-thread or in a helper)",
     "movement": "`bench_movement.py` (Gloo-staged movement, commit cost, sync vs async rearrangement)",

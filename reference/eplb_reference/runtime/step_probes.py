@@ -7,7 +7,7 @@
   ``end_batch``, what ``timed_step`` calls ``eplb_host_s``) split by who owns the code.
   Ours: the controller's own work around ``EplbState.step`` and, inside it, the binding's
   commit hook (placement commit, lookup refresh), our placement inversion
-  (``compute_logical_maps`` as the capability adapter replaced it) and the staging ack
+  (``compute_logical_maps`` as the capability adaptations replaced it) and the staging ack
   (what ``_move_to_workspace`` does after our hook). Upstream: the rest of ``EplbState.step``
   (window update, weight install ``move_from_buffer``: ``upstream_install_ms``, its map
   copies ``_commit_eplb_maps_for_layer`` less our parts in it: ``upstream_commit_ms``,
@@ -174,7 +174,7 @@ _STATE_METHODS = {"step": ("upstream_step", "probes.state_step"),
 
 class StepProbes:
     """The probes of one rank's steps, on its controller; ``begin_step`` / ``end_step`` per step.
-    Installed over the capability adapter (``adaptations.py``: ``probes.*``), taken back by ``close``
+    Installed over the capability adaptations (``adaptations.py``: ``probes.*``), taken back by ``close``
     before the adapter is."""
 
     def __init__(self, controller, interval_s: float = GIL_PROBE_INTERVAL_S) -> None:
@@ -183,8 +183,8 @@ class StepProbes:
         if not isinstance(worker, threading.Thread):
             raise ValueError("step probes need upstream's async worker running (EplbState.async_worker)")
         self.clock = PhaseClock()
-        self._state, self._adapter = state, controller.binding.adapter
-        self._upstream_commit_hook = self._adapter.commit_hook
+        self._state, self._capabilities = state, controller.binding.capabilities
+        self._upstream_commit_hook = self._capabilities.commit_hook
         self._installed: list[tuple[str, object | None]] = []  # (key, instance or None), in order
         try:
             self._install(state, main=threading.get_ident())
@@ -223,11 +223,11 @@ class StepProbes:
             if self._hook_end is not None:
                 self.clock.mark("ours_ack", self._hook_end)
 
-        self._adapter.commit_hook = commit_hook  # our own adapter's hook, not upstream's
+        self._capabilities.commit_hook = commit_hook  # our own adaptations' hook, not upstream's
         self._wrap("probes.logical_maps", self.clock.wrap("ours_inversion", patches.current("probes.logical_maps")))
         self._wrap("probes.move_to_workspace", move_to_workspace)
         self._wrap("probes.move_from_buffer", self.clock.wrap("upstream_install", patches.current("probes.move_from_buffer")))
-        # the capability adapter's commit wrapper: upstream's map commit, then our hook inside it
+        # the capability adaptations' commit wrapper: upstream's map commit, then our hook inside it
         self._wrap("probes.commit_layer", self.clock.wrap("commit_layer", patches.current("probes.commit_layer")))
 
     def _noting_sync_entry(self, timed_ready, main: int):
@@ -279,4 +279,4 @@ class StepProbes:
         for key, on in reversed(self._installed):
             patches.uninstall(key, on=on)
         self._installed.clear()
-        self._adapter.commit_hook = self._upstream_commit_hook
+        self._capabilities.commit_hook = self._upstream_commit_hook

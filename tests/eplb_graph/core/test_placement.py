@@ -69,7 +69,7 @@ def test_logical_maps_rejects_what_it_cannot_invert(placements, match):
 @settings(max_examples=60, deadline=None)
 @given(placement_batches())
 def test_logical_maps_equals_upstream_compute_logical_maps(case):
-    """What lets the capability adapter put logical_maps in upstream's place at every commit."""
+    """What lets the capability adaptations put logical_maps in upstream's place at every commit."""
     eplb_state = pytest.importorskip("vllm.distributed.eplb.eplb_state")
     upstream = eplb_state.compute_logical_maps
     assert upstream.__module__ == "vllm.distributed.eplb.eplb_state"  # upstream's own, not our patch

@@ -1,6 +1,6 @@
 """UpstreamBinding: the one commit contract with upstream's EplbState, driven through its hooks.
 
-Upstream's commit points and policy call are the capability adapter's patches; here they are
+Upstream's commit points and policy call are the capability adaptations' patches; here they are
 called as upstream calls them, with a stand-in for a model's state, so each rule is seen on
 its own: a commit refreshes exactly the committed layers from upstream's placement, a bad
 policy placement moves nothing, a commit for an unbound model is an error, ``close`` puts
@@ -96,7 +96,7 @@ def test_a_bad_policy_placement_is_replaced_by_the_current_one_and_reported(boun
     bad = good.clone()
     bad[1, 4] = 9  # a logical id that does not exist
     for proposed, expected in ((good, good), (bad, current)):
-        policy = binding.adapter._checked_policy(lambda *args, proposed=proposed: proposed.clone())
+        policy = binding.capabilities._checked_policy(lambda *args, proposed=proposed: proposed.clone())
         assert policy(model_state, None, current, None).tolist() == expected.tolist()
     [rejected] = binding.rejected_placements
     assert "slot 4 holds logical id 9" in rejected
@@ -109,7 +109,7 @@ def test_a_commit_for_a_model_it_did_not_bind_is_an_error(bound):
     with pytest.raises(ValueError, match="a model eplb-graph did not bind"):
         binding._after_commit(stranger, 0)
     # on the policy path the same is a rejected placement: nothing moves, the worker lives on
-    policy = binding.adapter._checked_policy(lambda *args: torch.tensor([[1, 0, 3, 2, 1, 1]] * 2))
+    policy = binding.capabilities._checked_policy(lambda *args: torch.tensor([[1, 0, 3, 2, 1, 1]] * 2))
     assert torch.equal(policy(stranger, None, model_state.physical_to_logical_map, None), model_state.physical_to_logical_map)
     assert "did not bind" in binding.rejected_placements[-1]
 
@@ -117,7 +117,7 @@ def test_a_commit_for_a_model_it_did_not_bind_is_an_error(bound):
 def test_a_dead_worker_is_raised_on_the_main_thread(bound):
     binding, _, _ = bound
     binding.check_worker("here")  # alive: nothing
-    binding.adapter.health.error = ConnectionError("peer gone")
+    binding.capabilities.health.error = ConnectionError("peer gone")
     with pytest.raises(Exception, match="async EPLB worker here died: ConnectionError"):
         binding.check_worker("here")
 

@@ -1,4 +1,4 @@
-"""The capability adapter: each patch named where upstream imports it, asserted, idempotent, reversible.
+"""The capability adaptations: each patch named where upstream imports it, asserted, idempotent, reversible.
 
 What runs upstream's async EPLB on these patches end to end is tests/eplb_reference/runtime/test_controller.py;
 here each contract alone.
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from eplb_graph.upstream.capability import (
-    AsyncWorkerStopped, HostEvent, HostTimingEvent, UpstreamCapabilityAdapter, WorkerHealth,
+    AsyncWorkerStopped, HostEvent, HostTimingEvent, CapabilityAdaptations, WorkerHealth,
 )
 
 eplb_state = pytest.importorskip("vllm.distributed.eplb.eplb_state")
@@ -61,7 +61,7 @@ def test_host_timing_event_measures_between_two_records():
 def test_on_the_host_the_patches_go_where_upstream_imports_each_name_and_come_back():
     before = {name: getattr(eplb_state, name) for name in ("CpuGpuEvent", "start_async_worker", "compute_logical_maps")}
     worker_event = async_worker.CpuGpuEvent
-    adapter = UpstreamCapabilityAdapter("cpu", commit_hook=lambda state, layer: None).install()
+    adapter = CapabilityAdaptations("cpu", commit_hook=lambda state, layer: None).install()
     try:
         assert eplb_state.CpuGpuEvent is HostEvent and async_worker.CpuGpuEvent is HostEvent
         assert "eplb_state.compute_logical_maps" in adapter.installed
@@ -76,7 +76,7 @@ def test_on_the_host_the_patches_go_where_upstream_imports_each_name_and_come_ba
 
 
 def test_a_device_with_events_keeps_upstreams_events():
-    adapter = UpstreamCapabilityAdapter("cuda", commit_hook=lambda state, layer: None)
+    adapter = CapabilityAdaptations("cuda", commit_hook=lambda state, layer: None)
     assert not adapter.host_device
     adapter.install()
     try:
@@ -89,17 +89,17 @@ def test_a_device_with_events_keeps_upstreams_events():
 def test_a_name_upstream_no_longer_defines_fails_loudly_and_nothing_stays_installed(monkeypatch):
     monkeypatch.delattr(eplb_state, "compute_logical_maps")
     upstream_event = eplb_state.CpuGpuEvent
-    adapter = UpstreamCapabilityAdapter("cpu", commit_hook=lambda state, layer: None)
+    adapter = CapabilityAdaptations("cpu", commit_hook=lambda state, layer: None)
     with pytest.raises(RuntimeError, match="eplb_state.compute_logical_maps: target missing"):
         adapter.install()
     assert adapter.installed == [] and eplb_state.CpuGpuEvent is upstream_event  # all or nothing
 
 
 def test_a_second_adapter_cannot_chain_onto_the_first():
-    first = UpstreamCapabilityAdapter("cpu", commit_hook=lambda state, layer: None).install()
+    first = CapabilityAdaptations("cpu", commit_hook=lambda state, layer: None).install()
     try:
         with pytest.raises(RuntimeError, match="already carries capability.state_event"):
-            UpstreamCapabilityAdapter("cpu", commit_hook=lambda state, layer: None).install()
+            CapabilityAdaptations("cpu", commit_hook=lambda state, layer: None).install()
         assert eplb_state.CpuGpuEvent is HostEvent
     finally:
         first.uninstall()

@@ -12,7 +12,7 @@ from vllm.distributed.eplb import eplb_state  # noqa: E402
 
 from eplb_graph.upstream import patches  # noqa: E402
 from eplb_graph.upstream.adaptations import ADAPTATIONS, adaptation  # noqa: E402
-from eplb_graph.upstream.capability import UpstreamCapabilityAdapter  # noqa: E402
+from eplb_graph.upstream.capability import CapabilityAdaptations  # noqa: E402
 
 
 def inversion(physical_to_logical_map, num_logical_experts):
@@ -235,7 +235,7 @@ def test_uninstall_all_restores_every_original():
 
     before = {(module, name): getattr(importlib.import_module(module), name) for module, name in names}
     before_keys = set(patches.installed_keys())
-    adapter = UpstreamCapabilityAdapter("cpu", commit_hook=lambda state, layer: None, placement_check=lambda *a: None)
+    adapter = CapabilityAdaptations("cpu", commit_hook=lambda state, layer: None, placement_check=lambda *a: None)
     adapter.install()
     patches.install("probes.logical_maps", inversion, by="test")
     patches.install("elastic.ep_group", object(), by="test")

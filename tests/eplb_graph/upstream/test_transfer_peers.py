@@ -36,7 +36,7 @@ def transfers(draw):
 @settings(max_examples=200, deadline=None)
 @given(transfers())
 def test_equals_upstream_get_ep_ranks_with_experts_batch(case):
-    """What lets the capability adapter put ranks_with_experts in upstream's place."""
+    """What lets the capability adaptations put ranks_with_experts in upstream's place."""
     rebalance_execute = pytest.importorskip("vllm.distributed.eplb.rebalance_execute")
     upstream = rebalance_execute.get_ep_ranks_with_experts_batch
     assert upstream.__module__ == "vllm.distributed.eplb.rebalance_execute"  # upstream's own, not our patch

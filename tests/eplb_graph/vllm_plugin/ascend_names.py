@@ -21,7 +21,7 @@ MRV2_EPLB = (
     ("vllm_ascend.worker.v2.eplb", "AscendEPLBController", "vllm.v1.worker.gpu.eplb_utils.EPLBController"),
     ("vllm_ascend.distributed.eplb_state", "AscendEplbState", "vllm.distributed.eplb.eplb_state.EplbState"),
     ("vllm_ascend.distributed.eplb_state", "AscendEplbLayerState", "vllm.distributed.eplb.eplb_state.EplbLayerState"),
-    # the router adapter: the routers inherit BaseRouter's _apply_eplb_mapping hook, which
+    # the router hook: the routers inherit BaseRouter's _apply_eplb_mapping hook, which
     # AscendGroupedTopKRouter's select path calls after top-k
     ("vllm_ascend.ops.fused_moe.router.grouped_topk_router", "AscendGroupedTopKRouter",
      "vllm.model_executor.layers.fused_moe.router.base_router.BaseRouter"),

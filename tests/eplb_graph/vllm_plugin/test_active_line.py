@@ -18,12 +18,12 @@ def test_the_active_line_names_each_layer_and_mechanism():
     runner = SimpleNamespace(device="cpu", parallel_config=SimpleNamespace(eplb_config=eplb),
                              eplb_state=SimpleNamespace(model_states={"m": state}))
     layers = [SimpleNamespace(key="model.layers.0.mlp.experts", mapped_by="graph_pass"),
-              SimpleNamespace(key="model.layers.1.mlp.experts", mapped_by="router_adapter")]
+              SimpleNamespace(key="model.layers.1.mlp.experts", mapped_by="router_hook")]
     views = {layer.key: SimpleNamespace(moved={"w13_weight": 0, "w2_weight": 0}, derived={"w1_alphas": 0})
              for layer in layers}
-    from eplb_graph.upstream.capability import UpstreamCapabilityAdapter
+    from eplb_graph.upstream.capability import CapabilityAdaptations
 
-    adapter = UpstreamCapabilityAdapter("cpu", commit_hook=lambda state, layer: None).install()  # as a worker's binding
+    adapter = CapabilityAdaptations("cpu", commit_hook=lambda state, layer: None).install()  # as a worker's binding
     try:
         line = log_active(SimpleNamespace(runner=runner, layers=layers, expert_views=views, local_experts={},
                                           dp_dispatch=None))
@@ -31,7 +31,7 @@ def test_the_active_line_names_each_layer_and_mechanism():
         adapter.uninstall()
     assert "capability.state_event, " in line and "capability.commit_layer, " in line and "probes." not in line
     assert line.startswith("eplb-graph active on cpu: 2 MoE layers bound (model.layers.0.mlp.experts: graph_pass, "
-                           "model.layers.1.mlp.experts: router_adapter)")
+                           "model.layers.1.mlp.experts: router_hook)")
     assert "last 10 steps before each rearrangement, every 30 steps" in line
     assert "2 redundant experts, async EPLB through SimpleNamespace;" in line
     assert "each expert moves with w13_weight, w2_weight, w1_alphas;" in line

@@ -189,12 +189,12 @@ def test_an_offline_llm_reads_each_workers_eplb_metrics(runs, name):
     assert 0 < metrics["0"]["gauges"]["balancedness_committed"]["all"] <= 1
 
 
-def test_eager_mode_routes_through_the_router_adapter(runs):
+def test_eager_mode_routes_through_the_router_hook(runs):
     on, off = runs["eager_on"], runs["eager_off"]
     assert on["tokens"] == off["tokens"]
     assert on["eplb"]["rearrangements_committed"] >= 3 and on["eplb"]["placement_changes"] >= 1
     for key, layer in on["eplb"]["layers"].items():
-        assert layer["mapped_by"] == "router_adapter", key
+        assert layer["mapped_by"] == "router_hook", key
         assert layer["graph_mappings"] == 0 and layer["host_calls"] > 0, key
 
 
@@ -290,7 +290,7 @@ def test_no_model_graph_is_compiled_while_the_workers_serve(runs, layout):
         for worker in runs[name]["workers"]:
             expected = None if layout == "tp2_eager" else 0  # eager: nothing the pass maps, nothing to watch
             assert worker["after"]["graphs_compiled_while_serving"] == expected, name
-            mechanism = "router_adapter" if layout == "tp2_eager" else "graph_pass"
+            mechanism = "router_hook" if layout == "tp2_eager" else "graph_pass"
             assert set(worker["after"]["mapping"].values()) == {mechanism}, name
 
 

@@ -1,4 +1,4 @@
-"""VllmMoELayer and the router adapter against upstream's EplbLayerState (no engine)."""
+"""VllmMoELayer and the router hook against upstream's EplbLayerState (no engine)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from vllm.distributed.eplb.eplb_state import EplbLayerState  # noqa: E402
 from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter  # noqa: E402
 
 from eplb_graph.core.placement import build_lookup  # noqa: E402
-from eplb_graph.vllm_plugin import router_adapter  # noqa: E402
+from eplb_graph.vllm_plugin import router_hook  # noqa: E402
 from eplb_graph.vllm_plugin.layers import (  # noqa: E402
     GRAPH_PASS,
-    ROUTER_ADAPTER,
+    ROUTER_HOOK,
     EplbStateDivergedError,
     VllmMoELayer,
 )
@@ -42,7 +42,7 @@ def moe_runner(name: str, placement: list[int]) -> SimpleNamespace:
     return SimpleNamespace(layer_name=name, eplb_state=state, router=router)
 
 
-def make_layer(name: str, placement: list[int], mapped_by: str = ROUTER_ADAPTER) -> tuple[VllmMoELayer, SimpleNamespace]:
+def make_layer(name: str, placement: list[int], mapped_by: str = ROUTER_HOOK) -> tuple[VllmMoELayer, SimpleNamespace]:
     runner = moe_runner(name, placement)
     layer = VllmMoELayer(
         runner, num_logical_experts=NUM_LOGICAL, num_physical_experts=NUM_PHYSICAL,
@@ -83,10 +83,10 @@ def test_divergence_from_upstream_is_an_error_naming_the_layer():
     layer.close()
 
 
-def test_router_adapter_binds_one_instance_and_leaves_the_class_alone():
-    layer, runner = make_layer("t.adapter", [0, 1, 2, 3, 0, 1])
+def test_router_hook_binds_one_instance_and_leaves_the_class_alone():
+    layer, runner = make_layer("t.hook", [0, 1, 2, 3, 0, 1])
     _, other = make_layer("t.other", [0, 1, 2, 3, 0, 1], mapped_by=GRAPH_PASS)
-    router_adapter.bind_router(runner.router, layer.key)
+    router_hook.hook_router(runner.router, layer.key)
     logits = torch.tensor([[0.0, 0.0, 0.0, 9.0, 8.0, 7.0][:NUM_LOGICAL]] * 3)
     logits[:, 0] = 5.0  # experts 3 then 0 per token
     _, physical = runner.router._select_experts(torch.zeros(3, 2), logits, torch.int32)
@@ -95,11 +95,11 @@ def test_router_adapter_binds_one_instance_and_leaves_the_class_alone():
     assert torch.equal(physical, expected) and layer.host_calls == 1
     _, untouched = other.router._select_experts(torch.zeros(3, 2), logits, torch.int32)
     assert untouched.tolist() == [[3, 0]] * 3  # another instance keeps upstream's (CPU: pass-through) hook
-    assert router_adapter.HOOK not in vars(CPURouter)
+    assert router_hook.HOOK not in vars(CPURouter)
     with pytest.raises(RuntimeError, match="already bound"):
-        router_adapter.bind_router(runner.router, layer.key)
-    router_adapter.unbind_router(runner.router)
-    assert not router_adapter.is_bound(runner.router)
+        router_hook.hook_router(runner.router, layer.key)
+    router_hook.unhook_router(runner.router)
+    assert not router_hook.is_bound(runner.router)
     layer.close()
 
 

@@ -83,7 +83,7 @@ def live_rebalancing(rank, world_size, init_method, weight_format, steps, load_p
             "recorded": recorded,
             "upstream_step": controller.state.expert_rearrangement_step,
             "rejected": controller.binding.rejected_placements,
-            "patches": controller.binding.adapter.installed,
+            "patches": controller.binding.capabilities.installed,
             "policy": type(controller.state.policy).__name__,
             "policy_pid": getattr(controller.state.policy, "pid", None),
             "pid": os.getpid(),

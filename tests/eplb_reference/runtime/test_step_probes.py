@@ -89,12 +89,12 @@ def test_the_gil_probe_refuses_a_non_positive_interval():
 
 
 def test_step_probes_split_the_eplb_host_work_into_ours_and_upstreams(monkeypatch):
-    """Upstream's functions are stand-ins with its signatures; the capability adapter's two
-    layers the probes wrap are installed under them as the adapter would (by another installer)."""
+    """Upstream's functions are stand-ins with its signatures; the capability adaptations' two
+    layers the probes wrap are installed under them as the capability adaptations would (by another installer)."""
     from vllm.distributed.eplb import eplb_state
 
     worker = Worker(busy=False)
-    adapter = SimpleNamespace(commit_hook=lambda model_state, layer: spin(0.002))  # ours: commit + refresh
+    capabilities = SimpleNamespace(commit_hook=lambda model_state, layer: spin(0.002))  # ours: commit + refresh
 
     def inversion(physical_to_logical_map, num_logical_experts):  # ours: the inversion
         spin(0.001)
@@ -103,10 +103,10 @@ def test_step_probes_split_the_eplb_host_work_into_ours_and_upstreams(monkeypatc
         eplb_state.move_from_buffer()
         eplb_state._commit_eplb_maps_for_layer(model_state, None, 0)
 
-    def commit_layer(model_state, new_physical_to_logical_map, layer):  # the adapter's: upstream's, then our hook
+    def commit_layer(model_state, new_physical_to_logical_map, layer):  # the capability adaptations': upstream's, then our hook
         spin(0.001)
         eplb_state.compute_logical_maps(None, 0)
-        adapter.commit_hook(model_state, layer)
+        capabilities.commit_hook(model_state, layer)
 
     def install(expert_weights=None, expert_weights_buffers=None, transfer_metadata=None, new_indices=None,
                 ep_rank=None):
@@ -114,9 +114,9 @@ def test_step_probes_split_the_eplb_host_work_into_ours_and_upstreams(monkeypatc
 
     monkeypatch.setattr(eplb_state, "_move_to_workspace", move_to_workspace)
     monkeypatch.setattr(eplb_state, "move_from_buffer", install)
-    as_the_adapter = object()
-    patches.install("capability.logical_maps", inversion, by=as_the_adapter)
-    patches.install("capability.commit_layer", commit_layer, by=as_the_adapter)
+    as_the_capabilities = object()
+    patches.install("capability.logical_maps", inversion, by=as_the_capabilities)
+    patches.install("capability.commit_layer", commit_layer, by=as_the_capabilities)
 
     class State:
         async_worker = worker.thread
@@ -134,8 +134,8 @@ def test_step_probes_split_the_eplb_host_work_into_ours_and_upstreams(monkeypatc
             self.rearrange()
 
     state = State()
-    controller = SimpleNamespace(state=state, binding=SimpleNamespace(adapter=adapter))
-    original_hook = adapter.commit_hook
+    controller = SimpleNamespace(state=state, binding=SimpleNamespace(capabilities=capabilities))
+    original_hook = capabilities.commit_hook
     try:
         probes = StepProbes(controller)
         try:
@@ -153,9 +153,9 @@ def test_step_probes_split_the_eplb_host_work_into_ours_and_upstreams(monkeypatc
         finally:
             probes.close()
             worker.close()
-        # closed: every wrapper taken out, the adapter's layers left as they were
+        # closed: every wrapper taken out, the capability adaptations' layers left as they were
         assert not {"step", "_all_ranks_result_ready", "rearrange"} & set(vars(state))
-        assert adapter.commit_hook is original_hook and eplb_state._move_to_workspace is move_to_workspace
+        assert capabilities.commit_hook is original_hook and eplb_state._move_to_workspace is move_to_workspace
         assert eplb_state.move_from_buffer is install and eplb_state._commit_eplb_maps_for_layer is commit_layer
         assert eplb_state.compute_logical_maps is inversion
     finally:
@@ -173,8 +173,8 @@ def test_step_probes_split_the_eplb_host_work_into_ours_and_upstreams(monkeypatc
     assert quiet["eplb_upstream_ms"] == 0 and quiet["upstream_ready_sync_ms"] == 0
 
 
-def test_step_probes_go_over_the_capability_adapter_only():
-    """Declared, not discovered: without the adapter's inversion under it, nothing is installed."""
+def test_step_probes_go_over_the_capability_adaptations_only():
+    """Declared, not discovered: without the capability adaptations' inversion under it, nothing is installed."""
     from vllm.distributed.eplb import eplb_state
 
     worker = Worker(busy=False)
@@ -192,7 +192,7 @@ def test_step_probes_go_over_the_capability_adapter_only():
             return None
 
     state, upstream_inversion = State(), eplb_state.compute_logical_maps
-    controller = SimpleNamespace(state=state, binding=SimpleNamespace(adapter=SimpleNamespace(commit_hook=None)))
+    controller = SimpleNamespace(state=state, binding=SimpleNamespace(capabilities=SimpleNamespace(commit_hook=None)))
     try:
         with pytest.raises(patches.AdaptationError, match="carries upstream where probes.logical_maps expects "
                                                           "capability.logical_maps"):

@@ -1,4 +1,4 @@
-"""Per-instance router adapter: vLLM's router EPLB hook bound to our op, class untouched.
+"""Per-instance router hook: vLLM's router EPLB hook bound to our op, class untouched.
 
 Where a layer's top-k never reaches a graph our pass sees (eager mode, or inside the opaque
 ``torch.ops.vllm.moe_forward`` on CUDA and Ascend), the router's own template method still
@@ -18,7 +18,7 @@ ADAPTATION = "router.apply_eplb_mapping"
 HOOK = adaptation(ADAPTATION).attribute
 
 
-def bind_router(router: object, layer_key: str) -> None:
+def hook_router(router: object, layer_key: str) -> None:
     if patches.installed(ADAPTATION, on=router):
         raise RuntimeError(f"the router of {layer_key} is already bound to an EPLB mapping")
     map_and_record_layer = torch.ops.eplb_graph.map_and_record_layer
@@ -29,7 +29,7 @@ def bind_router(router: object, layer_key: str) -> None:
     patches.install(ADAPTATION, apply_eplb_mapping, by=layer_key, on=router)
 
 
-def unbind_router(router: object) -> None:
+def unhook_router(router: object) -> None:
     patches.uninstall(ADAPTATION, on=router)
 
 
