@@ -228,8 +228,10 @@ def install(key: str, replacement: object, *, by: object, on: object | None = No
 
 def _install(entry: Adaptation, replacement: object, *, by: object, on: object | None) -> None:
     key = entry.key
+    # Resolved (imported) before the lock: the import hooks install while a module's import lock
+    # is held, so nothing may wait on an import while holding _LOCK.
+    owner = _placed(entry, on)
     with _LOCK:
-        owner = _placed(entry, on)
         if owner is None:
             _refuse_if_changed(entry, owner)
         name = entry.attribute
