@@ -35,6 +35,7 @@ HOW = {
 ALL_PLATFORMS = ("cpu", "cuda", "npu")
 HOST = ("cpu",)
 PLUGIN, RUNTIME, ELASTIC, PROBES = "vllm plugin", "reference runtime", "elastic runtime", "step breakdown"
+VLLM_ELASTIC = "vllm elastic EP"  # the plugin serving vLLM's own elastic EP (enable_elastic_ep)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ WNA16 = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_
 CPU_COMMUNICATOR = "vllm.distributed.device_communicators.cpu_communicator"
 ARG_UTILS = "vllm.engine.arg_utils"
 PARALLEL_STATE = "vllm.distributed.parallel_state"
+STATELESS = "vllm.distributed.stateless_coordinator"
 
 _plugin, _plugin_cpu = When((PLUGIN,)), When((PLUGIN,), HOST)
 _EVERY_IMPORT = "in every vLLM process that imports it; with EPLB off it defers to upstream"
@@ -112,6 +114,7 @@ _capability_host = When((PLUGIN, RUNTIME, ELASTIC), HOST)
 _runtime = When((RUNTIME, ELASTIC), HOST)
 _probes = When((PROBES,), HOST, condition="eplb-graph bench --step-breakdown")
 _elastic = When((ELASTIC,), HOST, condition="each elastic member's EPLB session")
+_vllm_elastic = When((VLLM_ELASTIC,), HOST, condition="every vLLM engine process of an elastic EP server")
 
 ADAPTATIONS: tuple[Adaptation, ...] = (
     # -- the vLLM plugin's entry points (vllm_plugin/config_gate.py, runner_hooks.py, quant_methods.py)
@@ -265,6 +268,23 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
                Shape("attribute")),
     Adaptation("elastic.node_count", PARALLEL_STATE, "_NODE_COUNT", "global",
                "the policy's hierarchy: one node, as the resizes' reshuffle assumes", _elastic, Shape("attribute")),
+    # -- vLLM's elastic EP groups on CPU (vllm_plugin/stateless_cpu.py)
+    Adaptation("stateless_cpu.coordinator_init", STATELESS, "StatelessGroupCoordinator.__init__", "wrap",
+               "upstream asserts CudaCommunicator for each stateless (elastic) DP / EP / EPLB group: on CPU it builds "
+               "the group without one, then sets StatelessCpuCommunicator where one was asked for", _vllm_elastic,
+               _fn("self", "group_ranks", "local_rank", "torch_distributed_backend", "use_device_communicator",
+                   "coord_store")),
+    Adaptation("stateless_cpu.device_communicator", STATELESS, "StatelessGroupCoordinator.device_communicator",
+               "config", "StatelessCpuCommunicator: vLLM's CpuCommunicator given the group's global ranks, point to "
+               "point in group ranks, vLLM's all-gather / reduce-scatter all2all manager on the EP group",
+               _vllm_elastic, Shape("instance")),
+    Adaptation("stateless_cpu.uses_device_communicator", STATELESS,
+               "StatelessGroupCoordinator.use_device_communicator", "config",
+               "on again, as asked, after upstream's constructor ran with it off", _vllm_elastic, Shape("instance")),
+    Adaptation("stateless_cpu.eplb_communicator", EPLB_STATE, "create_eplb_communicator", "wrap",
+               "on a stateless group upstream takes only nixl / pynccl / torch_nccl, and pynccl refuses host "
+               "tensors: host experts with torch_gloo move through GlooStagedCommunicator over the group's gloo "
+               "group", _vllm_elastic, _fn("group_coordinator", "backend", "expert_weights", "expert_buffer")),
     # -- the step breakdown's probes (runtime/step_probes.py), over the capability adaptations
     *(Adaptation(f"probes.state_{name}", EPLB_STATE, f"EplbState.{method}", "hook",
                  "times upstream's EPLB step phases on the serving thread", _probes, _fn(*params))

@@ -19,6 +19,8 @@ from eplb_graph.custom_ops import EP_GROUPS
 from eplb_graph.upstream import patches
 
 HOOKS = {"all_gatherv": "dp_dispatch.all_gatherv", "reduce_scatterv": "dp_dispatch.reduce_scatterv"}  # -> adaptation
+# vLLM's CPU communicator, and ours on its stateless (elastic) groups (stateless_cpu.py), a subclass
+SERVED = ("CpuCommunicator", "StatelessCpuCommunicator")
 
 
 class DpDispatchError(RuntimeError):
@@ -40,7 +42,7 @@ class VariableSizeCollectives:
 
     def __init__(self, coordinator, name: str) -> None:
         communicator = coordinator.device_communicator
-        if type(communicator).__name__ != "CpuCommunicator":
+        if type(communicator).__name__ not in SERVED:
             raise DpDispatchError(f"group {coordinator.unique_name}: eplb-graph serves DP dispatch on vLLM's "
                                   f"CpuCommunicator, this group has {type(communicator).__name__}")
         if any(patches.installed(key, on=communicator) for key in HOOKS.values()):

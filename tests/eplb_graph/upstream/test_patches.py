@@ -229,11 +229,15 @@ def test_the_same_installer_with_another_replacement_is_an_error():
 
 
 def test_uninstall_all_restores_every_original():
-    names = {(a.module, a.attribute) for a in ADAPTATIONS if a.module.startswith("vllm.distributed")
+    names = {(a.module, a.qualname) for a in ADAPTATIONS if a.module.startswith("vllm.distributed")
              and a.how in ("replace", "wrap", "global")}
+    import functools
     import importlib
 
-    before = {(module, name): getattr(importlib.import_module(module), name) for module, name in names}
+    def target(module: str, qualname: str):  # a class's attribute too (StatelessGroupCoordinator.__init__)
+        return functools.reduce(getattr, qualname.split("."), importlib.import_module(module))
+
+    before = {key: target(*key) for key in names}
     before_keys = set(patches.installed_keys())
     adapter = CapabilityAdaptations("cpu", commit_hook=lambda state, layer: None, placement_check=lambda *a: None)
     adapter.install()
@@ -243,6 +247,6 @@ def test_uninstall_all_restores_every_original():
     assert {"capability.state_event", "probes.logical_maps", "elastic.ep_group"} <= added
     taken_back = patches.uninstall_all(added)  # not the plugin's own, which other tests rely on
     assert "probes.logical_maps" in taken_back and "capability.logical_maps" in taken_back
-    after = {(module, name): getattr(importlib.import_module(module), name) for module, name in names}
+    after = {key: target(*key) for key in names}
     assert all(after[key] is before[key] for key in before)
     assert set(patches.installed_keys()) == before_keys
