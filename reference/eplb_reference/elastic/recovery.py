@@ -81,7 +81,7 @@ def reload_lost_experts(layers: list[RankLayer], recovered: torch.Tensor, old_ra
                for row, before in zip(mine, old)]
     loaded = 0
     if any(changed):
-        experts = torch.load(source, mmap=True)  # [L][tensors], each [num_logical, ...]
+        experts = torch.load(source, mmap=True, weights_only=True)  # [L][tensors], each [num_logical, ...]
         for layer, slots, row, source_tensors in zip(layers, changed, mine, experts):
             for slot in slots:
                 for local, logical in zip(layer.weight_view, source_tensors):

@@ -59,6 +59,21 @@ def test_lost_experts_come_back_from_the_source_on_disk(tmp_path):
     recovered = before.clone().unsqueeze(0)
     recovered[0, 3] = 15  # slot 3 of this rank now hosts expert 15, which it did not hold
     assert reload_lost_experts(member.rank_layers, recovered, 0, 0, member.num_local, source) == 1
-    logical = torch.load(source)[0]
+    logical = torch.load(source, weights_only=True)[0]
     assert all(torch.equal(local[3], full[15]) for local, full in zip(layer.weight_view, logical))
     assert layer.tables.physical_to_logical[3] == 15 and not layer.tables.load.any()
+
+
+class _NotWeights:
+    """Any pickled object that is not tensors: loading it would run its code under weights_only=False."""
+
+
+def test_an_expert_source_holding_more_than_tensors_is_refused(tmp_path):
+    cfg = RunConfig(mode="eager", ranks=2, num_layers=1)
+    member = build_elastic_models(cfg, member=0, founding_rank=0, max_ranks=2, group_name="recovery-unsafe")
+    recovered = member.rank_layers[0].tables.physical_to_logical.clone().unsqueeze(0)
+    recovered[0, 3] = 15
+    source = tmp_path / "experts.pt"
+    torch.save([[_NotWeights()]], source)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        reload_lost_experts(member.rank_layers, recovered, 0, 0, member.num_local, source)
