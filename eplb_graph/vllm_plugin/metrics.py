@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,9 +78,11 @@ BY_NAME = {metric.name: metric for metric in METRICS}
 class WorkerMetrics:
     """One worker's EPLB metrics (see the module docstring); ``after_step`` once per EPLB step."""
 
-    def __init__(self, labels: dict[str, str], *, ep_size: int, publish_dir: str | None) -> None:
+    def __init__(self, labels: dict[str, str], *, ep_size: int | Callable[[], int], publish_dir: str | None) -> None:
         self.labels = labels
-        self.ep_size = ep_size
+        # the EP size now: under vLLM's elastic EP a resize changes it (and the slot count) while serving, so the
+        # worker hands a callable that asks its live group; a fixed int where the group never changes
+        self._ep_size = ep_size
         self.publish_to = Path(publish_dir) / f"worker-{os.getpid()}.json" if publish_dir else None
         self.counters = {m.name: 0 for m in METRICS if m.kind == "counter"}
         self.gauges: dict[str, dict[str, float]] = {m.name: {} for m in METRICS if m.kind == "gauge"}
@@ -92,6 +95,10 @@ class WorkerMetrics:
         self._window_balancedness: dict[str, float] = {}  # its window under the placement then in force
         self._publish_failed = False
         self.publish()
+
+    @property
+    def ep_size(self) -> int:
+        return self._ep_size() if callable(self._ep_size) else self._ep_size
 
     def after_step(self, *, step_seconds: float, in_flight: bool, layers_committed: int, finished: int, stalls: int,
                    bytes_moved: tuple[int, int], worker_alive: bool, graphs_compiled: int | None,
@@ -121,7 +128,8 @@ class WorkerMetrics:
             self.publish()
 
     def _balancedness(self, placement: torch.Tensor) -> dict[str, float]:
-        """Per layer and over the model ("all"), of the rearrangement's window under ``placement``."""
+        """Per layer and over the model ("all"), of the rearrangement's window under ``placement``
+        [L, ep_size x num_local], split over the EP size now (a resize changes both)."""
         per_layer = layer_balancedness(rank_loads(self._window_load, placement.detach().cpu(), self.ep_size))  # [L]
         return {**{str(layer): float(value) for layer, value in enumerate(per_layer)}, "all": float(per_layer.mean())}
 

@@ -95,7 +95,7 @@ class VllmEplbWorker:
 
         self.runner = runner
         parallel_config = runner.parallel_config
-        self.ep_rank, self.ep_size = get_ep_group().rank_in_group, get_ep_group().world_size
+        self.ep_rank = get_ep_group().rank_in_group  # kept by a survivor of an elastic resize (the highest ranks leave)
         # before EplbState (it constructs events and starts the worker); the bound was checked at engine start
         self.binding = UpstreamBinding(runner.device, stall_bound_from_env(os.environ))
         self.built_upstream_state = runner.eplb_state is None
@@ -153,12 +153,24 @@ class VllmEplbWorker:
         self.metrics_failed = False  # logged once
         self.metrics = WorkerMetrics(
             {"model_name": str(runner.model_config.served_model_name), "engine": str(parallel_config.data_parallel_rank),
-             "ep_rank": str(self.ep_rank)}, ep_size=self.ep_size, publish_dir=os.environ.get(METRICS_DIR))
+             "ep_rank": str(self.ep_rank)}, ep_size=self.current_ep_size, publish_dir=os.environ.get(METRICS_DIR))
         self._wrap_runner_steps()
         self.placement_keeper = kept_placement.start(self, os.environ)  # before the async loop and any forward
         if self.built_upstream_state and runner.eplb_state.is_async:
             runner.eplb_state.start_async_loop()
         log_active(self)
+
+    @staticmethod
+    def current_ep_size() -> int:
+        """The EP group's size now: vLLM's elastic EP replaces the group at a resize
+        (``switch_and_prepare``), so nothing keeps the size it had at bind."""
+        from vllm.distributed.parallel_state import get_ep_group
+
+        return get_ep_group().world_size
+
+    @property
+    def ep_size(self) -> int:
+        return self.current_ep_size()
 
     @property
     def layers(self) -> list[VllmMoELayer]:

@@ -104,3 +104,29 @@ def test_every_metric_is_named_by_prometheus_conventions_and_documented():
 
     reference = Path(__file__).resolve().parents[3] / "docs" / "metrics.md"
     assert metrics_markdown() in reference.read_text()
+
+
+def test_balancedness_splits_a_placement_over_the_live_ep_size_after_a_resize():
+    """vLLM's elastic EP grows the group 2 -> 3 at 5 slots a rank (10 -> 15 slots) while a
+    rearrangement runs: the EP size fixed at bind reshapes 15 slots as [2, 2, -1] (the operator's
+    error); the live one splits them over 3 ranks."""
+    load = [[4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], [1.0] * 8]
+    at_2 = [list(range(8)) + [0, 1]] * 2  # [L=2, 10]
+    at_3 = [list(range(8)) + [0, 0, 1, 2, 3, 4, 5]] * 2  # [L=2, 15]: the placement after the scale-up
+    stale = WorkerMetrics(LABELS, ep_size=2, publish_dir=None)
+    step(stale, model_state(load, at_2), in_flight=True, committed=0, finished=0)
+    with pytest.raises(RuntimeError, match=r"shape '\[2, 2, -1\]' is invalid for input of size 30"):
+        step(stale, model_state(load, at_3), in_flight=False, committed=2, finished=1)
+
+    group = SimpleNamespace(world_size=2)
+    metrics = WorkerMetrics(LABELS, ep_size=lambda: group.world_size, publish_dir=None)
+    step(metrics, model_state(load, at_2), in_flight=True, committed=0, finished=0)
+    group.world_size = 3  # the switch
+    step(metrics, model_state(load, at_3), in_flight=False, committed=2, finished=1)
+    assert metrics.ep_size == 3
+    committed = metrics.gauges["balancedness_committed"]
+    from eplb_graph.core.placement import layer_balancedness, rank_loads
+
+    expected = layer_balancedness(rank_loads(torch.tensor(load), torch.tensor(at_3), 3))
+    assert committed["0"] == pytest.approx(float(expected[0])) and committed["1"] == pytest.approx(float(expected[1]))
+    assert set(metrics.gauges["balancedness_window"]) == {"0", "1", "all"}  # taken at EP 2, 10 slots
