@@ -13,7 +13,9 @@ content (``docs/placement_file.md`` documents each field)::
      "rearrangements": int, "written_by": str, "written_at": ISO 8601, "checksum": "sha256:..."}
 
 ``save`` writes a temporary file beside the target, syncs it, then renames it over the target:
-a crash mid-write leaves the previous file intact. ``load`` refuses, by name, a file that is not
+a crash mid-write leaves the previous file intact. It refuses, by name and before writing, a
+directory another user can write (unless sticky and owned by us or root) and a symbolic link
+another user owns (``private_files.py``); ``load`` refuses such a link too. ``load`` refuses, by name, a file that is not
 one (corrupt, other format or version, checksum mismatch, a malformed placement);
 ``check_fits`` refuses one whose identity differs from the model it is to serve, naming each
 field that differs. ``PlacementWriter`` writes off the caller's thread: serving never waits on
@@ -28,13 +30,13 @@ import json
 import logging
 import os
 import threading
-import uuid
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 
 from eplb_graph.core.placement import validate_placement
+from eplb_graph.core.private_files import UnsafePathError, remove_stale_temporaries, replace_file, resolve_target
 
 FORMAT, VERSION = "eplb-graph placement", 1
 logger = logging.getLogger(__name__)
@@ -103,23 +105,18 @@ def _checksum(content: dict) -> str:
 
 def save(path: str | os.PathLike, record: PlacementRecord) -> None:
     """Writes ``record`` to ``path`` atomically (temporary file, fsync, rename, directory fsync);
-    a symbolic link's target is what is replaced. A crashed writer's temporary files are removed."""
-    path = Path(os.path.realpath(path))
+    a symbolic link we own is followed, its target is what is replaced. A crashed writer's
+    temporary files are removed. PlacementFileError, before anything is written, where another
+    user could swap the file (``private_files.py``)."""
+    try:
+        path = resolve_target(path)
+    except UnsafePathError as error:
+        raise PlacementFileError(f"placement file {path}: {error}; nothing written") from None
     content = _content(record)
     document = {**content, "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 "checksum": _checksum(content)}
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # one writer per file: none is in use
-        stale.unlink(missing_ok=True)
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(temporary, "w") as out:
-            json.dump(document, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    remove_stale_temporaries(path)  # one writer per file: none is in use
+    replace_file(path, json.dumps(document).encode(), sync=True)
     try:  # the rename itself survives a power cut, where the filesystem can sync a directory
         directory = os.open(path.parent, os.O_RDONLY)
         try:
@@ -131,9 +128,17 @@ def save(path: str | os.PathLike, record: PlacementRecord) -> None:
 
 
 def load(path: str | os.PathLike) -> PlacementRecord:
-    """Reads a placement file; PlacementFileError naming what is wrong with it."""
+    """Reads a placement file; PlacementFileError naming what is wrong with it (a symbolic link
+    another user owns is not followed)."""
     try:
-        document = json.loads(Path(path).read_text())
+        target = resolve_target(path, for_write=False)
+    except UnsafePathError as error:
+        raise PlacementFileError(f"placement file {path}: {error}") from None
+    except OSError as error:
+        raise PlacementFileError(f"placement file {path} cannot be read: {error}") from None
+    try:
+        with open(os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)) as text:  # no link swapped in since
+            document = json.loads(text.read())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise PlacementFileError(f"placement file {path} cannot be read: {error}") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT:
@@ -194,12 +199,17 @@ def check_fits(record: PlacementRecord, here: PlacementIdentity, path: str | os.
 
 
 def check_writable(path: str | os.PathLike) -> None:
-    """The file's directory exists and can be written: refused at start, not at the first commit."""
+    """The file's directory exists, can be written, and no other user can swap the file (nor a link
+    at it): refused at start, not at the first commit."""
     directory = Path(path).parent
     if not directory.is_dir():
         raise PlacementFileError(f"placement file {path}: directory {directory} does not exist")
     if not os.access(directory, os.W_OK):
         raise PlacementFileError(f"placement file {path}: directory {directory} is not writable")
+    try:
+        resolve_target(path)
+    except UnsafePathError as error:
+        raise PlacementFileError(f"placement file {path}: {error}") from None
 
 
 def check_start_file(path: str | os.PathLike, here: PlacementIdentity) -> None:

@@ -1,15 +1,17 @@
 """The placement file: a round trip, atomic writes (a crash mid-write leaves the previous file),
-every unreadable file refused by name, identity checks naming each field, the background writer."""
+every unreadable file refused by name, identity checks naming each field, the background writer,
+a directory or a link another user controls refused by name before anything is written."""
 
 import json
 import logging
 import multiprocessing
 import os
+import stat
 
 import pytest
 import torch
 
-from eplb_graph.core import placement_file
+from eplb_graph.core import placement_file, private_files
 from eplb_graph.core.placement_file import (
     PlacementFileError,
     PlacementIdentity,
@@ -48,12 +50,13 @@ def crash_while_writing(path: str, where: str) -> None:
     if where == "rename":
         os.replace = lambda *args: os._exit(9)
     else:
-        def dump_half(document, out):
-            out.write(json.dumps(document)[:40])
-            out.flush()
+        write = os.write
+
+        def write_half(descriptor, data):
+            write(descriptor, bytes(data)[:40])
             os._exit(9)
 
-        json.dump = dump_half
+        os.write = write_half
     save(path, record(shift=1))
 
 
@@ -151,3 +154,107 @@ def test_the_writer_writes_the_latest_record_and_never_raises_into_serving(tmp_p
         failing.submit(record())
         failing.close()
     assert isinstance(failing.error, OSError) and "could not write the placement file" in caplog.text
+
+
+OTHER_UID = 65534  # nobody: "another user" of this machine
+
+
+def foreign(path) -> None:
+    """``path`` (a link or a directory) now belongs to another user, as if that user had made it."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    os.lchown(path, OTHER_UID, OTHER_UID)
+
+
+def test_a_directory_other_users_can_write_is_refused_by_name_and_the_file_left_untouched(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    path = shared / "placement.json"
+    save(path, record())
+    before = path.read_bytes()
+    shared.chmod(0o777)  # not sticky: anyone may rename their own file over ours
+    with pytest.raises(PlacementFileError, match=rf"directory {shared} can be written by other users .*nothing written"):
+        save(path, record(shift=1))
+    with pytest.raises(PlacementFileError, match=rf"directory {shared} can be written by other users"):
+        check_writable(path)
+    assert path.read_bytes() == before and sorted(p.name for p in shared.iterdir()) == ["placement.json"]
+    shared.chmod(0o775)  # the group's other members too
+    with pytest.raises(PlacementFileError, match="can be written by other users"):
+        save(path, record(shift=1))
+    assert path.read_bytes() == before
+
+
+def test_a_sticky_directory_of_ours_is_accepted_and_one_of_another_user_is_refused(tmp_path):
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)  # like /tmp: each user can replace only their own entries
+    path = sticky / "placement.json"
+    save(path, record())
+    check_writable(path)
+    assert torch.equal(load(path).physical_to_logical, record().physical_to_logical)
+    assert stat.S_IMODE(path.stat().st_mode) == private_files._default_mode()  # 0o600 only while written
+    foreign(sticky)
+    with pytest.raises(PlacementFileError, match=rf"directory {sticky} is owned by uid {OTHER_UID}"):
+        save(path, record(shift=1))
+    assert torch.equal(load(path).physical_to_logical, record().physical_to_logical)
+
+
+def test_a_link_planted_by_another_user_is_refused_and_its_target_untouched(tmp_path):
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    victim = tmp_path / "victim"
+    victim.write_text("a file the server may replace")
+    path = sticky / "placement.json"
+    path.symlink_to(victim)
+    foreign(path)
+    with pytest.raises(PlacementFileError, match=rf"{path} is a symbolic link owned by uid {OTHER_UID}.*nothing written"):
+        save(path, record())
+    with pytest.raises(PlacementFileError, match="symbolic link owned by uid"):
+        check_writable(path)
+    with pytest.raises(PlacementFileError, match="symbolic link owned by uid"):
+        load(path)
+    assert victim.read_text() == "a file the server may replace" and path.is_symlink()
+
+
+def test_a_link_of_ours_is_followed_and_stays_a_link(tmp_path):
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    path = tmp_path / "placement.json"
+    path.symlink_to(kept / "placement.json")
+    save(path, record())
+    assert path.is_symlink() and torch.equal(load(kept / "placement.json").physical_to_logical,
+                                             record().physical_to_logical)
+    save(path, record(shift=1))
+    assert path.is_symlink() and torch.equal(load(path).physical_to_logical, record(shift=1).physical_to_logical)
+
+
+def test_the_temporary_file_is_new_and_never_a_link(tmp_path, monkeypatch):
+    path = tmp_path / "placement.json"
+    opened = []
+    real_open = os.open
+
+    def recording_open(file, flags, mode=0o777, **kwargs):
+        opened.append((str(file), flags, mode))
+        return real_open(file, flags, mode, **kwargs)
+
+    monkeypatch.setattr(private_files.os, "open", recording_open)
+    save(path, record())
+    temporary = [(flags, mode) for file, flags, mode in opened if file.endswith(".tmp")]
+    wanted = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    assert len(temporary) == 1 and temporary[0][0] & wanted == wanted and temporary[0][1] == 0o600
+
+    # a link planted at the temporary name is neither followed nor removed
+    class Fixed:
+        hex = "0" * 32
+
+    monkeypatch.setattr(private_files.uuid, "uuid4", lambda: Fixed)
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    planted = tmp_path / f".placement.json.{Fixed.hex}.tmp"
+    planted.symlink_to(victim)
+    foreign(planted)  # another user's: a stale temporary file of ours would be removed first
+    before = path.read_bytes()
+    with pytest.raises(FileExistsError):
+        save(path, record(shift=1))
+    assert victim.read_text() == "untouched" and planted.is_symlink() and path.read_bytes() == before
