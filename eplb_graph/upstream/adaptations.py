@@ -231,6 +231,11 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
     Adaptation("worker.warming_up_model", CPU_RUNNER, "CPUModelRunner.warming_up_model", "hook",
                "checks each layer's mapping once warm-up ran the compiled graph, then starts the compile watch",
                _plugin_cpu, _fn("self")),
+    Adaptation("worker.setup_eplb_from_mapping", GPU_RUNNER, "GPUModelRunner.setup_eplb_from_mapping", "hook",
+               "a new engine of an elastic EP group installs its placement with EplbState.update_mapping, past the "
+               "commit functions: our lookups are refreshed from it (a refresh, not a rearrangement)",
+               When((PLUGIN,), HOST, condition="enable_elastic_ep (vLLM's elastic EP served)"),
+               _fn("self", "expanded_physical_to_logical")),
     Adaptation("router.apply_eplb_mapping", "vllm.model_executor.layers.fused_moe.router.base_router",
                "BaseRouter._apply_eplb_mapping", "hook",
                "maps layers whose top-k no graph of ours sees (eager, opaque moe_forward) through our op",

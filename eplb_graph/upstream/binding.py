@@ -115,6 +115,17 @@ class UpstreamBinding:
             self.stats.rearrangements_finished += 1
             self.stats.layers_committed_in_flight = 0
 
+    def refresh(self, model_state) -> None:
+        """Every bound layer of ``model_state`` routes by upstream's placement now, each checked
+        against upstream's maps. A refresh, not a rearrangement: nothing moved and nothing is
+        counted. For what upstream installs without its commit functions, under vLLM's elastic EP:
+        a new engine's ``update_mapping``, a resize's re-viewed slots
+        (``reconfigure_physical_expert_slots``)."""
+        layers = self.layers_of(model_state)
+        current = padded_to_tables(model_state.physical_to_logical_map.cpu(), [layer.tables for layer in layers])
+        for layer, placement in zip(layers, current):
+            layer.commit_placement_(placement)
+
     def restore(self, model_state, placements: torch.Tensor) -> None:
         """Moves the experts to ``placements`` [L, P] and commits them, synchronously through
         upstream's own rearrangement: its weight move (every tensor of each expert, quantization

@@ -50,7 +50,13 @@ class VllmMoELayer(RoutedLayer):
         placement: torch.Tensor,
         mapped_by: str,
         router_path: str | None,
+        capacity: int | None = None,
     ) -> None:
+        """``capacity``: under vLLM's elastic EP, upstream's capacity of physical slots (its
+        ``physical_expert_capacity``: local slots x the most DP ranks, at TP=1). The tables then hold
+        that many slots, those beyond the ``num_physical_experts`` placed now empty (-1), and the load
+        row is upstream's whole capacity row: a resize re-views upstream's buffers, ours are that size
+        already, so the tensors a graph reads keep their storage. None: the size placed now."""
         if mapped_by not in MAPPING_MECHANISMS:
             raise ValueError(f"mapped_by must be one of {MAPPING_MECHANISMS}, got {mapped_by!r}")
         if mapped_by == GRAPH_PASS and not router_path:
@@ -67,10 +73,19 @@ class VllmMoELayer(RoutedLayer):
                 f"layer {moe_runner.layer_name}: upstream EPLB state lacks {', '.join(missing)}; "
                 f"EplbState.add_model must run before eplb-graph binds the layer"
             )
-        tables = LayerLookup(
-            num_logical_experts, num_physical_experts, placement=placement, device=upstream.expert_load_view.device
-        )
-        tables.bind_load_(upstream.expert_load_view[:num_physical_experts])
+        device = upstream.expert_load_view.device
+        if capacity is None:
+            tables = LayerLookup(num_logical_experts, num_physical_experts, placement=placement, device=device)
+        else:
+            if not num_physical_experts <= capacity <= upstream.expert_load_view.shape[0]:
+                raise ValueError(f"layer {moe_runner.layer_name}: slot capacity {capacity} is below the "
+                                 f"{num_physical_experts} slots placed, or beyond upstream's load row "
+                                 f"({upstream.expert_load_view.shape[0]})")
+            padded = torch.full((capacity,), -1, dtype=torch.int64)  # the slots beyond today's group: empty
+            padded[: placement.shape[0]] = placement
+            tables = LayerLookup(num_logical_experts, capacity, max_replicas=capacity - num_logical_experts + 1,
+                                 placement=padded, device=device, allow_empty_slots=True)
+        tables.bind_load_(upstream.expert_load_view[: tables.num_physical_experts])
         flags = BatchFlags.sharing(upstream.should_record_tensor, upstream.num_unpadded_tokens_tensors[0])
         super().__init__(moe_runner.layer_name, tables, flags)
         self.upstream = upstream

@@ -73,6 +73,17 @@ def use_gloo_staged_communicator(eplb_state) -> None:
         patches.configure("worker.gloo_communicator", GlooStagedCommunicator(get_eplb_group().cpu_group), on=model_state)
 
 
+def slot_capacity(parallel_config, model_state) -> int | None:
+    """Under vLLM's elastic EP, the physical slots upstream sized its buffers for: its
+    ``physical_expert_capacity`` (local slots x ``elastic_ep_max_dp_size`` x EP size // DP size, i.e.
+    local slots x the most DP ranks at TP=1), the width of ``expert_load_pass_buffer`` and
+    ``physical_to_logical_map_buffer``, which a resize re-views and never reallocates. None with
+    elastic EP off: the tables are as wide as the slots placed."""
+    if not getattr(parallel_config, "enable_elastic_ep", False):
+        return None
+    return int(model_state.expert_load_pass_buffer.shape[1])
+
+
 def mapping_mechanism(moe_runner: torch.nn.Module, compilation_config, traced_path: str | None) -> str:
     """The pass maps a layer only where Inductor compiles a graph in which its top-k is traced."""
     from vllm.config import CompilationMode
@@ -126,6 +137,7 @@ class VllmEplbWorker:
             complete_move_list(views, model_state)
             self.expert_views.update((view.layer_name, view) for view in views)
             committed = model_state.physical_to_logical_map.cpu()  # [L, num_physical]
+            capacity = slot_capacity(parallel_config, model_state)  # None: elastic EP off
             layers = []
             for index, moe_runner in enumerate(model.moe_layers):
                 traced_path = relative_path(paths.get(id(moe_runner), ""), roots)
@@ -137,6 +149,7 @@ class VllmEplbWorker:
                     placement=committed[index],
                     mapped_by=mapped_by,
                     router_path=traced_path,
+                    capacity=capacity,
                 )
                 if mapped_by == ROUTER_HOOK:
                     router_hook.hook_router(moe_runner.router, layer.key)
@@ -175,6 +188,9 @@ class VllmEplbWorker:
     @property
     def layers(self) -> list[VllmMoELayer]:
         return self.binding.layers
+
+    def layers_of(self, model_state) -> list[VllmMoELayer]:
+        return self.binding.layers_of(model_state)
 
     @property
     def stats(self):
@@ -219,6 +235,45 @@ class VllmEplbWorker:
                 return result
 
             patches.install("worker.warming_up_model", warming_up_model, by=self, on=runner)
+        if getattr(runner.parallel_config, "enable_elastic_ep", False):
+            self.follow_new_engine_mapping()
+
+    # -- vLLM's elastic EP: the group resized under us --------------------------------------
+
+    def follow_new_engine_mapping(self) -> None:
+        """A new engine of an elastic EP group gets its placement from the existing ones through
+        ``runner.setup_eplb_from_mapping`` -> ``EplbState.update_mapping``, which bypasses the
+        commit functions our lookups refresh at: the lookups are refreshed right after it."""
+        runner = self.runner
+        upstream_setup = runner.setup_eplb_from_mapping
+
+        def setup_eplb_from_mapping(*args, **kwargs):
+            result = upstream_setup(*args, **kwargs)
+            self.refresh_from_upstream()
+            return result
+
+        patches.install("worker.setup_eplb_from_mapping", setup_eplb_from_mapping, by=self, on=runner)
+
+    def refresh_from_upstream(self) -> None:
+        """Every layer routes by upstream's placement now, checked against upstream's maps
+        (``check_agrees_with_upstream``): a refresh, not a rearrangement (nothing counted)."""
+        for model_state in self.runner.eplb_state.model_states.values():
+            self.binding.refresh(model_state)
+
+    def after_switch(self) -> None:
+        """After upstream's ``switch_and_prepare`` (a resize of the EP group): it re-viewed its
+        capacity buffers at the new slot count (``reconfigure_physical_expert_slots``) and the EP
+        group is a new one. Our tables are capacity-sized and bound to the capacity rows, so their
+        storage stays; they are refreshed from upstream's re-viewed placement (the slots beyond it
+        empty). The EP size is read live (``ep_size``, the metrics). Rebinding the experts and the
+        DP dispatch to upstream's new instances is not done here."""
+        for model_state in self.runner.eplb_state.model_states.values():
+            layers = self.layers_of(model_state)
+            placed, capacity = model_state.physical_to_logical_map.shape[1], layers[0].tables.num_physical_experts
+            if placed > capacity:
+                raise ValueError(f"eplb-graph: upstream places {placed} expert slots after the resize, more than the "
+                                 f"{capacity} our tables hold (elastic_ep_max_dp_size)")
+        self.refresh_from_upstream()
 
     def publish_metrics(self, step_seconds: float, in_flight: bool) -> None:
         """This step's EPLB metrics, from what upstream's step left on the host (``metrics.py``).
