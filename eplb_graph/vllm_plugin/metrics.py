@@ -8,7 +8,9 @@ hot path. Balancedness is computed twice per rearrangement, on EP rank 0: when i
 window upstream just all-reduced, ``last_expert_load``, under the placement in force) and when its
 last layer commits (the same load under the committed placement); both gauges are set then, so
 they always describe the same window. A snapshot that cannot be written is logged once, never
-raised into a step.
+raised into a step. Snapshots are published only into a directory this user owns and no other
+user can write (``metrics_dir_problem``; else logged and not published), through a new temporary
+file and a rename that never follows a link (``core/private_files.py``).
 
 The values reach vLLM's ``/metrics`` through ``metrics_export.py``; without a server they are
 read with ``worker_metrics(llm)``.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 
 from eplb_graph.core.placement import layer_balancedness, rank_loads
+from eplb_graph.core.private_files import replace_file
 
 PREFIX = "eplb_graph:"
 BASE_LABELS = ("model_name", "engine", "ep_rank")  # vLLM's model_name and engine (DP rank), and the worker's EP rank
@@ -73,6 +77,25 @@ METRICS = (
            "warm-up (0 when graph mode holds)", "invariant 9: a shape or value frozen into a graph"),
 )
 BY_NAME = {metric.name: metric for metric in METRICS}
+logger = logging.getLogger("vllm.eplb_graph")
+
+
+def metrics_dir_problem(directory: str | os.PathLike) -> str | None:
+    """Why ``directory`` cannot hold the snapshots (None: it can): it must exist and be this user's,
+    writable by no other user, since whatever lies there is served on ``/metrics`` (a sticky
+    directory does not help: another user could add a worker's file of their own)."""
+    try:
+        info = os.stat(directory)
+    except OSError as error:
+        return f"the metrics directory {directory} cannot be used: {error.strerror}"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"the metrics directory {directory} is not a directory"
+    if info.st_uid != os.geteuid():
+        return f"the metrics directory {directory} is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (f"the metrics directory {directory} can be written by other users (mode {stat.filemode(info.st_mode)}): "
+                f"chmod go-w it, or leave EPLB_GRAPH_METRICS_DIR unset")
+    return None
 
 
 class WorkerMetrics:
@@ -84,6 +107,10 @@ class WorkerMetrics:
         # worker hands a callable that asks its live group; a fixed int where the group never changes
         self._ep_size = ep_size
         self.publish_to = Path(publish_dir) / f"worker-{os.getpid()}.json" if publish_dir else None
+        problem = metrics_dir_problem(publish_dir) if publish_dir else None
+        if problem:  # the API server's gate refuses it first; a worker started some other way never uses it
+            logger.warning("eplb-graph: EPLB metrics not published: %s", problem)
+            self.publish_to = None
         self.counters = {m.name: 0 for m in METRICS if m.kind == "counter"}
         self.gauges: dict[str, dict[str, float]] = {m.name: {} for m in METRICS if m.kind == "gauge"}
         self.histograms = {name: Histogram(buckets) for name, buckets in
@@ -149,15 +176,12 @@ class WorkerMetrics:
         """Writes the snapshot for the API server's collector, atomically (a reader never sees half)."""
         if self.publish_to is None:
             return
-        partial = self.publish_to.with_suffix(".partial")
-        try:
-            partial.write_text(json.dumps(self.snapshot()))
-            os.replace(partial, self.publish_to)
+        try:  # a new temporary file (O_EXCL | O_NOFOLLOW), renamed over the snapshot: a link there is replaced
+            replace_file(self.publish_to, json.dumps(self.snapshot()).encode(), sync=False)
         except OSError as error:  # a full disk, or the server removing its directory at exit: never fail a step
             if not self._publish_failed:
                 self._publish_failed = True
-                logging.getLogger("vllm.eplb_graph").warning("eplb-graph: cannot publish EPLB metrics to %s: %s",
-                                                             self.publish_to, error)
+                logger.warning("eplb-graph: cannot publish EPLB metrics to %s: %s", self.publish_to, error)
 
 
 class Histogram:

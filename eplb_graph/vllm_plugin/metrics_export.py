@@ -10,6 +10,11 @@ registered into the registry vLLM's own metrics are served from, whichever that 
 server or many: ``get_prometheus_registry``, wrapped as the ``metrics.registry`` adaptation).
 With EPLB off nothing is made or registered (invariant 8); an offline ``LLM`` reads the same
 values with ``metrics.worker_metrics``.
+
+A preset ``METRICS_DIR`` must be this user's and writable by no other user (the gate refuses it
+by name, before any engine starts); a snapshot that is not one (unreadable, a link, too large,
+a field of the wrong type or shape) is skipped, logged once and counted (``snapshots_skipped``):
+one bad file never breaks the scrape.
 """
 
 from __future__ import annotations
@@ -17,22 +22,26 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+import logging
+import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from eplb_graph.upstream import patches
 from eplb_graph.upstream.adaptations import PLUGIN, adaptation
 
 from .import_hooks import call_after_import
-from .metrics import BASE_LABELS, METRICS, PREFIX, Metric
+from .metrics import BASE_LABELS, METRICS, PREFIX, Metric, metrics_dir_problem
 
 METRICS_DIR = "EPLB_GRAPH_METRICS_DIR"  # set by the API server's gate; read by its workers
 REGISTRY_ADAPTATION = "metrics.registry"
 SNAPSHOT_KEYS = ("labels", "counters", "gauges", "histograms")
 SECTION = {"counter": "counters", "gauge": "gauges", "histogram": "histograms"}
+MAX_SNAPSHOT_BYTES = 1 << 20  # a worker's snapshot is a few KiB (one gauge per MoE layer): anything larger is not one
+logger = logging.getLogger("vllm.eplb_graph")
 
 
 def _writer_alive(path: Path) -> bool:
@@ -46,23 +55,74 @@ def _writer_alive(path: Path) -> bool:
     return True
 
 
-def _well_formed(snapshot: object) -> bool:
-    return (isinstance(snapshot, dict) and all(isinstance(snapshot.get(k), dict) for k in SNAPSHOT_KEYS)
-            and all(label in snapshot["labels"] for label in BASE_LABELS)
-            and all(m.name in snapshot[SECTION[m.kind]] for m in METRICS))
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def read_snapshots(directory: Path) -> list[dict]:
+def _bound(value: object) -> bool:
+    """A histogram bucket's upper bound as a snapshot spells it: a float's ``str``, or ``inf``."""
+    try:
+        return isinstance(value, str) and not math.isnan(float(value))
+    except ValueError:
+        return False
+
+
+def snapshot_problem(snapshot: object) -> str | None:
+    """What makes ``snapshot`` unusable by ``_family`` (None: nothing): each section a dict, every
+    label a string, every metric there with values of its type, each histogram's bounds and counts
+    of one length."""
+    if not isinstance(snapshot, dict) or not all(isinstance(snapshot.get(key), dict) for key in SNAPSHOT_KEYS):
+        return f"not an object with {', '.join(SNAPSHOT_KEYS)}"
+    for label in BASE_LABELS:
+        if not isinstance(snapshot["labels"].get(label), str):
+            return f"label {label} is not a string"
+    for metric in METRICS:
+        value = snapshot[SECTION[metric.kind]].get(metric.name)
+        if metric.kind == "counter" and not _number(value):
+            return f"counter {metric.name} is not a number"
+        if metric.kind == "gauge" and not (isinstance(value, dict) and all(
+                isinstance(key, str) and _number(item) for key, item in value.items())):
+            return f"gauge {metric.name} is not an object of numbers"
+        if metric.kind == "histogram":
+            if not (isinstance(value, dict) and isinstance(value.get("bounds"), list)
+                    and isinstance(value.get("counts"), list) and _number(value.get("sum"))):
+                return f"histogram {metric.name} lacks bounds, counts or sum"
+            if len(value["bounds"]) != len(value["counts"]) or not all(map(_bound, value["bounds"])) \
+                    or not all(_number(count) for count in value["counts"]):
+                return f"histogram {metric.name}: bounds and counts differ in length or type"
+    return None
+
+
+def _read(path: Path) -> object:
+    """The JSON in ``path``, read without following a link, at most ``MAX_SNAPSHOT_BYTES``."""
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as snapshot:
+        data = snapshot.read(MAX_SNAPSHOT_BYTES + 1)
+    if len(data) > MAX_SNAPSHOT_BYTES:
+        raise ValueError(f"larger than {MAX_SNAPSHOT_BYTES} bytes")
+    return json.loads(data)
+
+
+def read_snapshots(directory: Path, skipped: Callable[[Path, str], None] | None = None) -> list[dict]:
     """Every live worker's last published snapshot (a file being replaced is read whole, or not at
-    all); a dead worker's file, or one that is not a snapshot, is skipped: one never breaks a scrape."""
+    all); a dead worker's file is left out, and one that is not a snapshot is left out and handed
+    to ``skipped`` with why: one never breaks a scrape."""
     snapshots = []
     for path in sorted(directory.glob("worker-*.json")):
         try:
-            snapshot = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):  # removed since the glob, or not ours
+            snapshot = _read(path)
+        except FileNotFoundError:  # removed since the glob: its worker ended
             continue
-        if _writer_alive(path) and _well_formed(snapshot):
+        except (OSError, ValueError, RecursionError) as error:  # a link (ELOOP), unreadable, too large, not JSON
+            if skipped is not None:
+                skipped(path, f"cannot be read: {error}")
+            continue
+        if not _writer_alive(path):
+            continue
+        problem = snapshot_problem(snapshot)
+        if problem is None:
             snapshots.append(snapshot)
+        elif skipped is not None:
+            skipped(path, problem)
     return snapshots
 
 
@@ -71,14 +131,22 @@ class EplbCollector:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        self.snapshots_skipped = 0  # files left out of a scrape for not being a snapshot, over every scrape
+        self._reported: set[str] = set()  # each such file is logged once (named by pid: a few per worker)
 
     def describe(self) -> list:
         return []  # values come from other processes: nothing to check at registration
 
     def collect(self) -> Iterator:
-        snapshots = read_snapshots(self.directory)
+        snapshots = read_snapshots(self.directory, self._skipped)
         for metric in METRICS:
             yield _family(metric, snapshots)
+
+    def _skipped(self, path: Path, why: str) -> None:
+        self.snapshots_skipped += 1
+        if path.name not in self._reported and len(self._reported) < 1024:
+            self._reported.add(path.name)
+            logger.warning("eplb-graph: EPLB metrics snapshot %s skipped: %s", path, why)
 
     def serve_on(self, module) -> None:
         """``call_after_import`` target: wraps the registry getter of vLLM's metrics ``module`` so
@@ -131,9 +199,16 @@ def _worker(snapshot: dict) -> list[str]:
 
 def export_to_server() -> Path:
     """In the API server's process, before its engines start: the directory its workers publish
-    into (made here, removed at exit) and the collector on the registry ``/metrics`` serves."""
+    into (made here, removed at exit) and the collector on the registry ``/metrics`` serves. A
+    preset directory another user owns or can write is refused by name (EplbConfigError)."""
     directory = os.environ.get(METRICS_DIR)
-    if directory is None:
+    if directory is not None:
+        problem = metrics_dir_problem(directory)
+        if problem:
+            from .config_gate import EplbConfigError
+
+            raise EplbConfigError(f"eplb-graph cannot serve this EPLB request:\n  {METRICS_DIR}: {problem}")
+    else:
         directory = tempfile.mkdtemp(prefix="eplb_graph_metrics_")
         os.environ[METRICS_DIR] = directory  # the engine and worker processes started from here inherit it
         atexit.register(shutil.rmtree, directory, ignore_errors=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -77,7 +78,10 @@ def test_a_snapshot_that_cannot_be_written_is_logged_once_and_never_raised(tmp_p
     logger = logging.getLogger("vllm.eplb_graph")
     logger.addHandler(handler)
     try:
-        metrics = WorkerMetrics(LABELS, ep_size=1, publish_dir=str(tmp_path / "removed"))  # the server's dir is gone
+        (tmp_path / "removed").mkdir(mode=0o700)
+        metrics = WorkerMetrics(LABELS, ep_size=1, publish_dir=str(tmp_path / "removed"))
+        shutil.rmtree(tmp_path / "removed")  # the server's dir is gone (it removes it at exit)
+        metrics.publish()
         metrics.publish()
     finally:
         logger.removeHandler(handler)
