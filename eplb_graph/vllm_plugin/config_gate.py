@@ -175,9 +175,12 @@ def create_engine_config_with_eplb(upstream_create, engine_args, *args, **kwargs
         raise EplbConfigError(f"eplb-graph cannot serve this EPLB request:\n  {error}") from None
     install_pass(config.compilation_config)
     if getattr(usage_context, "name", None) == "OPENAI_API_SERVER" and not headless:  # its /metrics serves them
-        from .metrics_export import export_to_server
+        from .metrics_export import MetricsDirError, export_to_server
 
-        export_to_server()
+        try:
+            export_to_server()
+        except MetricsDirError as error:
+            raise EplbConfigError(f"eplb-graph cannot serve this EPLB request:\n  {error}") from None
     return config
 
 

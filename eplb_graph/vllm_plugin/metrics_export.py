@@ -197,17 +197,20 @@ def _worker(snapshot: dict) -> list[str]:
     return [snapshot["labels"][label] for label in BASE_LABELS]
 
 
+class MetricsDirError(ValueError):
+    """The metrics directory preset in the environment cannot be trusted."""
+
+
 def export_to_server() -> Path:
     """In the API server's process, before its engines start: the directory its workers publish
     into (made here, removed at exit) and the collector on the registry ``/metrics`` serves. A
-    preset directory another user owns or can write is refused by name (EplbConfigError)."""
+    preset directory another user owns or can write is refused by name (MetricsDirError; the
+    config gate reports it as its own refusal)."""
     directory = os.environ.get(METRICS_DIR)
     if directory is not None:
         problem = metrics_dir_problem(directory)
         if problem:
-            from .config_gate import EplbConfigError
-
-            raise EplbConfigError(f"eplb-graph cannot serve this EPLB request:\n  {METRICS_DIR}: {problem}")
+            raise MetricsDirError(f"{METRICS_DIR}: {problem}")
     else:
         directory = tempfile.mkdtemp(prefix="eplb_graph_metrics_")
         os.environ[METRICS_DIR] = directory  # the engine and worker processes started from here inherit it

@@ -141,18 +141,16 @@ def test_a_snapshot_of_the_wrong_types_is_skipped_logged_and_counted_and_the_scr
 
 
 def test_a_preset_directory_another_user_can_write_or_owns_is_refused_by_name(tmp_path, monkeypatch):
-    from eplb_graph.vllm_plugin.config_gate import EplbConfigError
-
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o700)
     monkeypatch.setenv(metrics_export.METRICS_DIR, str(shared))
     for mode, message in [(0o777, "can be written by other users"), (0o1777, "can be written by other users"),
                           (0o770, "can be written by other users")]:
         shared.chmod(mode)
-        with pytest.raises(EplbConfigError, match=rf"EPLB_GRAPH_METRICS_DIR: the metrics directory {shared} {message}"):
+        with pytest.raises(metrics_export.MetricsDirError, match=rf"EPLB_GRAPH_METRICS_DIR: the metrics directory {shared} {message}"):
             metrics_export.export_to_server()
     monkeypatch.setenv(metrics_export.METRICS_DIR, str(tmp_path / "missing"))
-    with pytest.raises(EplbConfigError, match="missing cannot be used: No such file or directory"):
+    with pytest.raises(metrics_export.MetricsDirError, match="missing cannot be used: No such file or directory"):
         metrics_export.export_to_server()
     assert not patches.installed("metrics.registry")
     if os.geteuid() != 0:
@@ -160,7 +158,7 @@ def test_a_preset_directory_another_user_can_write_or_owns_is_refused_by_name(tm
     shared.chmod(0o700)
     os.chown(shared, OTHER_UID, OTHER_UID)
     monkeypatch.setenv(metrics_export.METRICS_DIR, str(shared))
-    with pytest.raises(EplbConfigError, match=rf"{shared} is owned by uid {OTHER_UID}"):
+    with pytest.raises(metrics_export.MetricsDirError, match=rf"{shared} is owned by uid {OTHER_UID}"):
         metrics_export.export_to_server()
 
 
