@@ -28,7 +28,7 @@ from eplb_graph.upstream import patches
 from eplb_graph.upstream.binding import UpstreamBinding
 from eplb_graph.upstream.watchdog import stall_bound_from_env
 
-from . import kept_placement, router_hook
+from . import elastic_follow, kept_placement, router_hook
 from .compile_watch import CompileWatch
 from .dp_dispatch import bind_dp_dispatch
 from .expert_views import ExpertWeightView, complete_move_list
@@ -71,17 +71,6 @@ def use_gloo_staged_communicator(eplb_state) -> None:
 
     for model_state in eplb_state.model_states.values():  # the model's, and a drafter's
         patches.configure("worker.gloo_communicator", GlooStagedCommunicator(get_eplb_group().cpu_group), on=model_state)
-
-
-def slot_capacity(parallel_config, model_state) -> int | None:
-    """Under vLLM's elastic EP, the physical slots upstream sized its buffers for: its
-    ``physical_expert_capacity`` (local slots x ``elastic_ep_max_dp_size`` x EP size // DP size, i.e.
-    local slots x the most DP ranks at TP=1), the width of ``expert_load_pass_buffer`` and
-    ``physical_to_logical_map_buffer``, which a resize re-views and never reallocates. None with
-    elastic EP off: the tables are as wide as the slots placed."""
-    if not getattr(parallel_config, "enable_elastic_ep", False):
-        return None
-    return int(model_state.expert_load_pass_buffer.shape[1])
 
 
 def mapping_mechanism(moe_runner: torch.nn.Module, compilation_config, traced_path: str | None) -> str:
@@ -137,7 +126,7 @@ class VllmEplbWorker:
             complete_move_list(views, model_state)
             self.expert_views.update((view.layer_name, view) for view in views)
             committed = model_state.physical_to_logical_map.cpu()  # [L, num_physical]
-            capacity = slot_capacity(parallel_config, model_state)  # None: elastic EP off
+            capacity = elastic_follow.slot_capacity(parallel_config, model_state)  # None: elastic EP off
             layers = []
             for index, moe_runner in enumerate(model.moe_layers):
                 traced_path = relative_path(paths.get(id(moe_runner), ""), roots)
@@ -236,44 +225,7 @@ class VllmEplbWorker:
 
             patches.install("worker.warming_up_model", warming_up_model, by=self, on=runner)
         if getattr(runner.parallel_config, "enable_elastic_ep", False):
-            self.follow_new_engine_mapping()
-
-    # -- vLLM's elastic EP: the group resized under us --------------------------------------
-
-    def follow_new_engine_mapping(self) -> None:
-        """A new engine of an elastic EP group gets its placement from the existing ones through
-        ``runner.setup_eplb_from_mapping`` -> ``EplbState.update_mapping``, which bypasses the
-        commit functions our lookups refresh at: the lookups are refreshed right after it."""
-        runner = self.runner
-        upstream_setup = runner.setup_eplb_from_mapping
-
-        def setup_eplb_from_mapping(*args, **kwargs):
-            result = upstream_setup(*args, **kwargs)
-            self.refresh_from_upstream()
-            return result
-
-        patches.install("worker.setup_eplb_from_mapping", setup_eplb_from_mapping, by=self, on=runner)
-
-    def refresh_from_upstream(self) -> None:
-        """Every layer routes by upstream's placement now, checked against upstream's maps
-        (``check_agrees_with_upstream``): a refresh, not a rearrangement (nothing counted)."""
-        for model_state in self.runner.eplb_state.model_states.values():
-            self.binding.refresh(model_state)
-
-    def after_switch(self) -> None:
-        """After upstream's ``switch_and_prepare`` (a resize of the EP group): it re-viewed its
-        capacity buffers at the new slot count (``reconfigure_physical_expert_slots``) and the EP
-        group is a new one. Our tables are capacity-sized and bound to the capacity rows, so their
-        storage stays; they are refreshed from upstream's re-viewed placement (the slots beyond it
-        empty). The EP size is read live (``ep_size``, the metrics). Rebinding the experts and the
-        DP dispatch to upstream's new instances is not done here."""
-        for model_state in self.runner.eplb_state.model_states.values():
-            layers = self.layers_of(model_state)
-            placed, capacity = model_state.physical_to_logical_map.shape[1], layers[0].tables.num_physical_experts
-            if placed > capacity:
-                raise ValueError(f"eplb-graph: upstream places {placed} expert slots after the resize, more than the "
-                                 f"{capacity} our tables hold (elastic_ep_max_dp_size)")
-        self.refresh_from_upstream()
+            elastic_follow.follow_new_engine_mapping(self)
 
     def publish_metrics(self, step_seconds: float, in_flight: bool) -> None:
         """This step's EPLB metrics, from what upstream's step left on the host (``metrics.py``).

@@ -30,7 +30,8 @@ from eplb_graph.upstream import patches  # noqa: E402
 from eplb_graph.upstream.binding import UpstreamBinding  # noqa: E402
 from eplb_graph.vllm_plugin.layers import ROUTER_HOOK, VllmMoELayer  # noqa: E402
 from eplb_graph.vllm_plugin.metrics import WorkerMetrics  # noqa: E402
-from eplb_graph.vllm_plugin.worker import VllmEplbWorker, slot_capacity  # noqa: E402
+from eplb_graph.vllm_plugin.elastic_follow import after_switch, follow_new_engine_mapping, slot_capacity  # noqa: E402
+from eplb_graph.vllm_plugin.worker import VllmEplbWorker  # noqa: E402
 
 NUM_LOGICAL, NUM_LOCAL, NUM_LAYERS, MAX_DP = 8, 5, 2, 4
 CAPACITY = NUM_LOCAL * MAX_DP  # upstream's physical_expert_capacity at TP=1
@@ -115,7 +116,7 @@ class Engine:
         self.model.set_eplb_state(self.model_state.expert_load_pass_buffer, self.model_state.logical_to_physical_map,
                                   self.model_state.logical_replica_count)
         self.model.update_physical_experts_metadata(NUM_LOCAL * new_ep_size, NUM_LOCAL)
-        self.worker.after_switch()
+        after_switch(self.worker)
 
     def close(self) -> None:
         patches.uninstall("worker.setup_eplb_from_mapping", on=self.runner)
@@ -201,7 +202,7 @@ def test_a_new_engine_routes_by_the_mapping_upstream_installs_past_the_commit_ho
     group.world_size = 3  # the new engine starts in the new group: 15 slots, upstream's initial placement
     new = engines("elastic-new", 3)
     assert new.model.num_physical_experts == 15 and new.layers[0].tables.num_physical_experts == CAPACITY
-    new.worker.follow_new_engine_mapping()
+    follow_new_engine_mapping(new.worker)
     assert patches.installed("worker.setup_eplb_from_mapping", on=new.runner)
     assert new.layers[0].tables.physical_to_logical[:15].tolist() != [7, 6, 5, 4, 3, 2, 1, 0, 7, 7] + [-1] * 5
     committed_before = new.binding.stats.layers_committed  # the existing engine's commit (shared binding)

@@ -1,0 +1,65 @@
+"""vLLM's elastic EP under a worker: the EP group resized while it serves.
+
+Our tables are sized once for upstream's slot capacity (``slot_capacity``) and bound to its
+capacity rows, so a resize never replaces a tensor a graph reads; what changes is the placement,
+which reaches our lookups here: a new engine's, installed by upstream's ``update_mapping``
+(``follow_new_engine_mapping``), and an existing engine's after upstream's switch (``after_switch``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from eplb_graph.upstream import patches
+
+if TYPE_CHECKING:
+    from .worker import VllmEplbWorker
+
+
+def slot_capacity(parallel_config, model_state) -> int | None:
+    """Under vLLM's elastic EP, the physical slots upstream sized its buffers for: its
+    ``physical_expert_capacity`` (local slots x ``elastic_ep_max_dp_size`` x EP size // DP size, i.e.
+    local slots x the most DP ranks at TP=1), the width of ``expert_load_pass_buffer`` and
+    ``physical_to_logical_map_buffer``, which a resize re-views and never reallocates. None with
+    elastic EP off: the tables are as wide as the slots placed."""
+    if not getattr(parallel_config, "enable_elastic_ep", False):
+        return None
+    return int(model_state.expert_load_pass_buffer.shape[1])
+
+
+def follow_new_engine_mapping(worker: VllmEplbWorker) -> None:
+    """A new engine of an elastic EP group gets its placement from the existing ones through
+    ``runner.setup_eplb_from_mapping`` -> ``EplbState.update_mapping``, which bypasses the
+    commit functions our lookups refresh at: the lookups are refreshed right after it."""
+    runner = worker.runner
+    upstream_setup = runner.setup_eplb_from_mapping
+
+    def setup_eplb_from_mapping(*args, **kwargs):
+        result = upstream_setup(*args, **kwargs)
+        refresh_from_upstream(worker)
+        return result
+
+    patches.install("worker.setup_eplb_from_mapping", setup_eplb_from_mapping, by=worker, on=runner)
+
+
+def refresh_from_upstream(worker: VllmEplbWorker) -> None:
+    """Every layer routes by upstream's placement now, checked against upstream's maps
+    (``check_agrees_with_upstream``): a refresh, not a rearrangement (nothing counted)."""
+    for model_state in worker.runner.eplb_state.model_states.values():
+        worker.binding.refresh(model_state)
+
+
+def after_switch(worker: VllmEplbWorker) -> None:
+    """After upstream's ``switch_and_prepare`` (a resize of the EP group): it re-viewed its
+    capacity buffers at the new slot count (``reconfigure_physical_expert_slots``) and the EP
+    group is a new one. Our tables are capacity-sized and bound to the capacity rows, so their
+    storage stays; they are refreshed from upstream's re-viewed placement (the slots beyond it
+    empty). The EP size is read live (``VllmEplbWorker.ep_size``, the metrics). Rebinding the
+    experts and the DP dispatch to upstream's new instances is not done here."""
+    for model_state in worker.runner.eplb_state.model_states.values():
+        layers = worker.layers_of(model_state)
+        placed, capacity = model_state.physical_to_logical_map.shape[1], layers[0].tables.num_physical_experts
+        if placed > capacity:
+            raise ValueError(f"eplb-graph: upstream places {placed} expert slots after the resize, more than the "
+                             f"{capacity} our tables hold (elastic_ep_max_dp_size)")
+    refresh_from_upstream(worker)
