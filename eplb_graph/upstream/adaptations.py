@@ -10,6 +10,9 @@ shape it expects of the target, and the adaptation it is layered on (a wrapper o
 declared, never discovered). ``patches.py`` installs them (nothing else in the tree sets an
 upstream attribute), ``eplb-graph doctor`` checks them against the installed stack, and the
 config gate refuses at engine start, by name, an EPLB request whose adaptations do not hold.
+
+Longer than one reading on purpose: the table is read whole, one entry a few lines, and splitting
+it would hide an adaptation from the one place that lists them all.
 """
 
 from __future__ import annotations
