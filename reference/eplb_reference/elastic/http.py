@@ -10,13 +10,100 @@
     POST /is_scaling_elastic_ep {"is_scaling_elastic_ep": bool}
 
 Endpoints are plain functions (FastAPI runs them on its thread pool): every call blocks on
-the server, never on the event loop.
+the server, never on the event loop. A body over ``MAX_BODY_BYTES`` is answered 413 before it is
+read whole (``BodyLimit``); ``drain_timeout`` is a finite number of seconds in
+(0, ``MAX_DRAIN_TIMEOUT_S``]; ``/health`` names an error's type and first line, never a traceback.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the endpoints' annotations at run time
+import json
+import math
 from typing import Any
 
-ERROR_TYPES = {400: "BadRequestError", 408: "RequestTimeout", 409: "Conflict", 500: "InternalServerError"}
+ERROR_TYPES = {400: "BadRequestError", 408: "RequestTimeout", 409: "Conflict", 413: "PayloadTooLarge",
+               500: "InternalServerError"}
+# The largest request body read. The biggest legitimate one is a completion's prompt: at most the
+# server's tokens per request as ids or words (a few KiB); 1 MiB leaves room for any client's extra
+# fields while one request can no longer make this process (which also hosts the group's store)
+# parse or hold an unbounded body.
+MAX_BODY_BYTES = 1 << 20
+# The longest drain a resize may ask for: an hour. Requests held while it drains wait that long at
+# most; NaN or infinity (both valid JSON to Python's parser) would otherwise disable the deadline.
+MAX_DRAIN_TIMEOUT_S = 3600.0
+HEALTH_ERROR_CHARS = 200  # /health names the error, not its traceback or a long message
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is answered 413 (and the connection
+    closed) without reading it whole: at once where its Content-Length says so, else as soon as
+    what arrived passes the limit; a body within it is handed on as one message."""
+
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            try:
+                length = int(declared)
+            except ValueError:
+                await _refuse(send, 400, "Content-Length is not a number")
+                return
+            if length > self.max_bytes:
+                await _refuse(send, 413, f"request body of {length} bytes exceeds the limit of {self.max_bytes}")
+                return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: nothing to answer
+                return
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await _refuse(send, 413, f"request body exceeds the limit of {self.max_bytes} bytes")
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        handed = False
+
+        async def replay():
+            nonlocal handed
+            if not handed:
+                handed = True
+                return whole
+            return await receive()  # then only a disconnect
+
+        await self.app(scope, replay, send)
+
+
+async def _refuse(send, status: int, message: str) -> None:
+    body = json.dumps(error_body(status, message)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})  # the rest of the body is never read
+    await send({"type": "http.response.body", "body": body})
+
+
+def drain_timeout_problem(value: object) -> str | None:
+    """Why ``value`` is not a drain timeout (None: it is one, or absent)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_DRAIN_TIMEOUT_S \
+            or not math.isfinite(value):  # NaN fails the range too; an int too large for a float never gets here
+        return f"drain_timeout must be a finite number of seconds in (0, {MAX_DRAIN_TIMEOUT_S:g}]"
+    return None
+
+
+def health_error(error: BaseException) -> str:
+    """The error ``/health`` reports: its type and the first line of its message, shortened."""
+    lines = str(error).strip().splitlines()
+    described = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return described[:HEALTH_ERROR_CHARS]
 
 
 def error_body(status: int, message: str) -> dict:
@@ -66,6 +153,7 @@ def make_app(server) -> Any:
     from eplb_reference.elastic.server import ScaleError
 
     app = FastAPI(title="eplb-graph elastic EP reference server")
+    app.add_middleware(BodyLimit)
     text = completions.TinyText(server.cfg.vocab_size)
 
     @app.post("/v1/generate")
@@ -104,7 +192,7 @@ def make_app(server) -> Any:
     @app.get("/health")
     def health() -> Any:
         if server.error is not None:
-            return JSONResponse({"status": "error", "error": repr(server.error)}, status_code=500)
+            return JSONResponse({"status": "error", "error": health_error(server.error)}, status_code=500)
         return {"status": "ok", "ranks": server.ranks}
 
     @app.get("/metrics")
@@ -123,9 +211,9 @@ def make_app(server) -> Any:
             return JSONResponse(error_body(400, "new_data_parallel_size is required"), status_code=400)
         if isinstance(new_size, bool) or not isinstance(new_size, int) or new_size <= 0:
             return JSONResponse(error_body(400, "new_data_parallel_size must be a positive integer"), status_code=400)
-        if drain_timeout is not None and (isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float))
-                                          or drain_timeout <= 0):
-            return JSONResponse(error_body(400, "drain_timeout must be a positive integer"), status_code=400)
+        problem = drain_timeout_problem(drain_timeout)
+        if problem:
+            return JSONResponse(error_body(400, problem), status_code=400)
         from starlette.concurrency import run_in_threadpool
 
         try:

@@ -5,12 +5,15 @@ The stand-in keeps this fast and exact about the HTTP contract; the server itsel
 resizes, a member killed under traffic) is ``test_server.py``'s.
 """
 
+import socket
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
 
-from eplb_reference.elastic.http import make_app
+from eplb_reference.elastic.http import MAX_BODY_BYTES, MAX_DRAIN_TIMEOUT_S, make_app
 from eplb_reference.elastic.server import ScaleError, ServerStats
 
 
@@ -94,7 +97,7 @@ def test_scale_answers_as_vllm_does(client, server):
     ({"new_data_parallel_size": 0}, "new_data_parallel_size must be a positive integer"),
     ({"new_data_parallel_size": True}, "new_data_parallel_size must be a positive integer"),
     ({"new_data_parallel_size": "4"}, "new_data_parallel_size must be a positive integer"),
-    ({"new_data_parallel_size": 4, "drain_timeout": 0}, "drain_timeout must be a positive integer"),
+    ({"new_data_parallel_size": 4, "drain_timeout": 0}, "drain_timeout must be a finite number of seconds in (0, 3600]"),
 ])
 def test_a_bad_scale_body_is_a_400_naming_the_field(client, server, body, message):
     response = client.post("/scale_elastic_ep", json=body)
@@ -131,6 +134,101 @@ def test_health_says_when_the_coordinator_stopped(client, server):
     server.error = RuntimeError("store lost")
     response = client.get("/health")
     assert response.status_code == 500 and "store lost" in response.json()["error"]
+
+
+def test_health_names_the_error_never_its_traceback(client, server):
+    try:
+        raise RuntimeError("the EP group cannot keep serving: member 1\nTraceback (most recent call last):\n  File x")
+    except RuntimeError as error:
+        server.error = error
+    answer = client.get("/health").json()
+    assert answer == {"status": "error", "error": "RuntimeError: the EP group cannot keep serving: member 1"}
+    server.error = ValueError("x" * 10_000)
+    assert len(client.get("/health").json()["error"]) <= 200
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "-1", "0", "-0.0", "3600.5", "1e308",
+                                   "1" + "0" * 400, '"30"', "true", "[30]", "{}"])
+def test_a_drain_timeout_that_is_not_a_finite_bounded_number_is_a_400_naming_it(client, server, value):
+    body = '{"new_data_parallel_size": 4, "drain_timeout": ' + value + "}"  # NaN and Infinity: Python's JSON reads both
+    response = client.post("/scale_elastic_ep", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, value
+    assert response.json()["error"]["message"] == "drain_timeout must be a finite number of seconds in (0, 3600]"
+    assert server.scaled == []
+
+
+def test_a_drain_timeout_up_to_the_bound_is_taken(client, server):
+    for value in (0.5, MAX_DRAIN_TIMEOUT_S):
+        assert client.post("/scale_elastic_ep", json={"new_data_parallel_size": 3, "drain_timeout": value}).status_code == 200
+    assert server.scaled == [(3, 0.5), (3, 3600.0)]
+
+
+def test_a_body_declared_over_the_limit_is_a_413_before_it_is_read(client, server):
+    declared = str(64 << 20)  # 64 MiB announced, a few bytes sent: nothing waits for, or holds, the rest
+    for path in ("/scale_elastic_ep", "/v1/completions", "/v1/generate"):
+        response = client.post(path, content=b'{"new_data_parallel_size": 4}',
+                               headers={"content-type": "application/json", "content-length": declared})
+        assert response.status_code == 413 and response.json()["error"]["type"] == "PayloadTooLarge"
+    assert server.scaled == [] and server.submitted == []
+    assert client.post("/scale_elastic_ep", json={"new_data_parallel_size": 4}).status_code == 200
+
+
+@pytest.fixture
+def live(server):
+    """The app on a real (uvicorn) HTTP server in a thread of this process, on a loopback port."""
+    import uvicorn
+
+    listening = socket.create_server(("127.0.0.1", 0))
+    http = uvicorn.Server(uvicorn.Config(make_app(server), log_level="warning"))
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [listening]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not http.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert http.started
+    yield listening.getsockname()[1]
+    http.should_exit = True
+    thread.join(30)
+    listening.close()
+
+
+def exchange(port: int, head: bytes, chunks=()) -> bytes:
+    """Sends a raw request (``chunks`` after its head, each as it goes) and reads the answer to its
+    end: the server's close, or its reset when it closes with some of the body unread."""
+    answer = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as connection:
+        try:
+            connection.sendall(head)
+            for chunk in chunks:
+                connection.sendall(chunk)
+        except (BrokenPipeError, ConnectionResetError):  # refused before all of it was sent
+            pass
+        try:
+            while data := connection.recv(65536):
+                answer += data
+        except ConnectionResetError:
+            pass
+    return answer
+
+
+def test_a_body_over_the_limit_is_refused_on_a_real_server_which_stays_healthy(live, server):
+    import httpx
+
+    head = (b"POST /scale_elastic_ep HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(64 << 20).encode() + b"\r\n\r\n")
+    assert exchange(live, head + b'{"new_data_parallel_size": 4, ').startswith(b"HTTP/1.1 413 ")
+    # no Content-Length (chunked): refused once what arrived passes the limit, the rest never sent
+    chunk = b"x" * 65536
+    framed = b"%x\r\n" % len(chunk) + chunk + b"\r\n"
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    assert exchange(live, head, [framed] * (MAX_BODY_BYTES // len(chunk) + 1)).startswith(b"HTTP/1.1 413 ")
+    assert server.scaled == [] and server.submitted == []
+    with httpx.Client(base_url=f"http://127.0.0.1:{live}", timeout=30) as client:
+        assert client.get("/health").json() == {"status": "ok", "ranks": 2}
+        assert client.post("/scale_elastic_ep", json={"new_data_parallel_size": 3}).status_code == 200
+        answer = client.post("/v1/completions", json={"prompt": "w5", "max_tokens": 1, "temperature": 0})
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " w6"
 
 
 def test_a_standard_openai_client_gets_greedy_completions(client, server):
