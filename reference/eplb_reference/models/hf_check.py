@@ -131,7 +131,7 @@ def check_backend(tiny: TinyFamily, backend: str) -> BackendResult:
             result.max_abs_diff = float((model_output(compiled, tokens) - expected).abs().max())
             record = handle.compiled_graphs[-1]
             result.routers_mapped, result.verified = record.result.routers_mapped, bool(record.report and record.report.ok)
-            result.unmapped_router_topk = sum(1 for s in record.result.sites if s.binding is not None and not s.selects_experts)
+            result.unmapped_router_topk = sum(1 for s in record.result.sites if s.router is not None and not s.selects_experts)
             result.load_recorded = int(handle.logical_load().sum())
             before = handle.physical_to_logical()
             result.placement_changed = not torch.equal(handle.rearrange(), before)
