@@ -3,6 +3,7 @@ whose commands reach `eplb-graph` as entry points (the wheels as pip builds them
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -15,8 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory) -> dict[str, zipfile.ZipFile]:
-    out = tmp_path_factory.mktemp("wheels")
-    for project in (ROOT, ROOT / "reference"):
+    out, source = tmp_path_factory.mktemp("wheels"), tmp_path_factory.mktemp("source") / "tree"
+    # Built from a copy: setuptools writes build/ and egg-info beside the sources, which other tests import.
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "out", "*.egg-info",
+                                                                 "__pycache__", ".gpu-carry", ".hypothesis"))
+    for project in (source, source / "reference"):
         subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
                         str(project)], check=True, capture_output=True, timeout=300)
     return {path.name.split("-")[0]: zipfile.ZipFile(path) for path in out.glob("*.whl")}
