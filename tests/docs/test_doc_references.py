@@ -1,4 +1,4 @@
-"""README.md and docs/*.md name only what the tree has. Every backticked path (and each path drawn in a
+"""README.md, SECURITY.md and docs/*.md name only what the tree has. Every backticked path (and each path drawn in a
 diagram, each relative link) resolves to a file or folder, from the root, a known root or a folder its
 section named; a ``file.py::test`` to a test in that file; a ``folder/module.Name`` to a name the module
 defines. Every backticked ``Class.member`` (a class of ours: defined in it or a base), ``module.name``,
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "SECURITY.md", *sorted((ROOT / "docs").glob("*.md"))]
 ROOTS = ("", "eplb_graph/", "reference/eplb_reference/", "reference/", "benchmarks/", "tests/", "docs/")
 SOURCES = ("eplb_graph", "custom_ops", "passes", "reference", "benchmarks", "tests")
 UPSTREAM = ("vllm", "torch", "transformers")
