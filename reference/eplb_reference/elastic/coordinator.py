@@ -17,9 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from datetime import timedelta
-
-import torch.distributed as dist
 
 from eplb_reference.elastic.liveness import FailureDetector
 from eplb_reference.elastic.processes import MemberProcesses
@@ -27,6 +24,7 @@ from eplb_reference.elastic.records import Events, Fault, ResizeRequest
 from eplb_reference.elastic.protocol import STOP, Abandoned, Board, Generation, Release, Switched
 from eplb_reference.elastic.reshuffle import check_new_size
 from eplb_reference.elastic.spec import ElasticSpec
+from eplb_reference.elastic.store import listening_store
 
 log = logging.getLogger("eplb_graph.elastic.coordinator")
 
@@ -37,8 +35,7 @@ class Coordinator:
         """``spec.store_port`` 0: the store takes a free port, and the spec the members get names it.
         ``recover_failures``: a member that reports an error is recovered from as a death (the
         server); otherwise it fails the run (``failures``)."""
-        self.store = dist.TCPStore(spec.store_host, spec.store_port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=spec.timeout_s))
+        self.store = listening_store(spec.store_host, spec.store_port, spec.timeout_s)
         self.spec = replace(spec, store_port=self.store.port)
         self.board = Board(self.store, spec.name)
         self.board.publish_spec(self.spec.to_json())
