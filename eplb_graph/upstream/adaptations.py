@@ -38,7 +38,6 @@ HOW = {
 ALL_PLATFORMS = ("cpu", "cuda", "npu")
 HOST = ("cpu",)
 PLUGIN, RUNTIME, ELASTIC, PROBES = "vllm plugin", "reference runtime", "elastic runtime", "step breakdown"
-VLLM_ELASTIC = "vllm elastic EP"  # the plugin serving vLLM's own elastic EP (enable_elastic_ep)
 
 
 @dataclass(frozen=True)
@@ -105,6 +104,7 @@ CPU_COMMUNICATOR = "vllm.distributed.device_communicators.cpu_communicator"
 ARG_UTILS = "vllm.engine.arg_utils"
 PARALLEL_STATE = "vllm.distributed.parallel_state"
 STATELESS = "vllm.distributed.stateless_coordinator"
+ELASTIC_EXECUTE = "vllm.distributed.elastic_ep.elastic_execute"
 
 _plugin, _plugin_cpu = When((PLUGIN,)), When((PLUGIN,), HOST)
 _EVERY_IMPORT = "in every vLLM process that imports it; with EPLB off it defers to upstream"
@@ -117,7 +117,9 @@ _capability_host = When((PLUGIN, RUNTIME, ELASTIC), HOST)
 _runtime = When((RUNTIME, ELASTIC), HOST)
 _probes = When((PROBES,), HOST, condition="eplb-graph bench --step-breakdown")
 _elastic = When((ELASTIC,), HOST, condition="each elastic member's EPLB session")
-_vllm_elastic = When((VLLM_ELASTIC,), HOST, condition="every vLLM engine process of an elastic EP server")
+_vllm_elastic = When((PLUGIN,), HOST, eplb_only=False, condition="every vLLM process on CPU that imports it: "
+                     "upstream's own path there fails (it asserts CUDA), so only elastic EP groups reach it")
+_gate_elastic = When((PLUGIN,), HOST, condition="enable_elastic_ep (vLLM's elastic EP served)")
 
 ADAPTATIONS: tuple[Adaptation, ...] = (
     # -- the vLLM plugin's entry points (vllm_plugin/config_gate.py, runner_hooks.py, quant_methods.py)
@@ -130,6 +132,18 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
     Adaptation("gate.args_eplb_config", ARG_UTILS, "EngineArgs.eplb_config", "scoped",
                "upstream's default on the caller's arguments while upstream builds their config with EPLB off; the "
                "request is set on the config built", _plugin_cpu, Shape("field")),
+    Adaptation("gate.args_enable_elastic_ep", ARG_UTILS, "EngineArgs.enable_elastic_ep", "scoped",
+               "off on the caller's arguments while upstream builds their config: its validator refuses elastic EP "
+               "with EPLB off (as the CPU build runs) and async EPLB without NIXL; the request is set on the config "
+               "built", _gate_elastic, Shape("field")),
+    Adaptation("gate.args_executor_backend", ARG_UTILS, "EngineArgs.distributed_executor_backend", "scoped",
+               "'mp' while upstream builds the config of an elastic request that names no executor: with the Ray DP "
+               "backend upstream picks Ray's executor, which places workers by a GPU resource CPU has not",
+               _gate_elastic, Shape("field")),
+    Adaptation("elastic_gate.scale_elastic_ep", "vllm.v1.engine.async_llm", "AsyncLLM.scale_elastic_ep", "wrap",
+               "a resize below 2 DP ranks or above elastic_ep_max_dp_size is refused before anything starts (vLLM "
+               "answers the ValueError with 400): upstream hangs shrinking to one rank at TP=1", _gate_elastic,
+               _fn("self", "new_data_parallel_size")),
     Adaptation("gate.post_grad_pass", "vllm.config.compilation", "CompilationConfig.inductor_compile_config", "config",
                "puts VllmEplbPass in Inductor's post-grad slot, wrapping a user pass found there", _plugin,
                Shape("field", item="post_grad_custom_post_pass")),
@@ -143,6 +157,16 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
                "names torch_gloo on the copy of the request set on a CPU config: upstream's auto-selection lives in "
                "the validator that config skipped", When((PLUGIN,), HOST, condition="no communicator requested"),
                Shape("field")),
+    Adaptation("config.cpu_enable_elastic_ep", "vllm.config.parallel", "ParallelConfig.enable_elastic_ep", "config",
+               "sets elastic EP on a config built with it off (gate.args_enable_elastic_ep)", _gate_elastic,
+               Shape("field")),
+    Adaptation("config.cpu_elastic_ep_max_dp_size", "vllm.config.parallel", "ParallelConfig.elastic_ep_max_dp_size",
+               "config", "the most DP ranks requested (upstream's default: the start size), on a config built with "
+               "elastic EP off, where upstream set the start size", _gate_elastic, Shape("field")),
+    Adaptation("platform.cpu_ray_device_key", "vllm.platforms.cpu", "CpuPlatform.ray_device_key", "config",
+               "vLLM's Ray DP placement counts engines by the platform's Ray device key, empty on CPU: the resource "
+               "the operator's Ray head declares per engine (elastic_gate.RAY_RESOURCE)", _gate_elastic,
+               Shape("attribute")),
     Adaptation("runner.cpu_load_model", CPU_RUNNER, "CPUModelRunner.load_model", "wrap",
                "binds every MoE layer right after the runner loads its model", _any_cpu, _fn("self")),
     Adaptation("runner.gpu_load_model", GPU_RUNNER, "GPUModelRunner.load_model", "wrap",
@@ -293,6 +317,27 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
                "on a stateless group upstream takes only nixl / pynccl / torch_nccl, and pynccl refuses host "
                "tensors: host experts with torch_gloo move through GlooStagedCommunicator over the group's gloo "
                "group", _vllm_elastic, _fn("group_coordinator", "backend", "expert_weights", "expert_buffer")),
+    # -- vLLM's elastic EP scaling steps on CPU (vllm_plugin/elastic_scaling.py)
+    Adaptation("elastic_scaling.load_model", ELASTIC_EXECUTE, "ElasticEPScalingExecutor.load_model", "wrap",
+               "a new engine loads the checkpoint: the CPU runner refuses dummy weights, and the non-expert transfer "
+               "that would fill them sends nothing for the linear weights the CPU build packs into oneDNN handles",
+               _vllm_elastic, _fn("self")),
+    Adaptation("elastic_scaling.batch_transfer_weights", ELASTIC_EXECUTE, "batch_transfer_weights", "replace",
+               "neither side transfers the non-expert weights (the new engine loaded them; the CPU communicator has "
+               "no batch_isend_irecv)", _vllm_elastic,
+               _fn("model", "is_sender", "peer_rank", "dp_group", "expert_weights")),
+    Adaptation("elastic_scaling.warm_target_groups", ELASTIC_EXECUTE, "ElasticEPScalingExecutor._warm_target_groups",
+               "replace", "the new groups' warm-up all-reduce on each group's own process group: c10d never registered "
+               "a stateless group", _vllm_elastic, _fn("self", "dp_group", "ep_group")),
+    Adaptation("elastic_scaling.warmup_new_worker", ELASTIC_EXECUTE, "ElasticEPScalingExecutor.warmup_new_worker",
+               "replace", "a new engine skips upstream's kernel warm-up, as the CPU worker does at start (it imports "
+               "CUDA models' warm-ups)", _vllm_elastic, _fn("self")),
+    Adaptation("elastic_scaling.warm_and_capture", ELASTIC_EXECUTE, "ElasticEPScalingExecutor.warm_and_capture",
+               "wrap", "creates upstream's (empty) workspace manager the re-warm unlocks and locks: the CPU worker never "
+               "creates one", _vllm_elastic, _fn("self")),
+    Adaptation("elastic_scaling.switch_and_prepare", ELASTIC_EXECUTE, "ElasticEPScalingExecutor.switch_and_prepare",
+               "wrap", "after upstream's switch to the new groups, the worker's eplb-graph follows the new EP group, "
+               "DP dispatch, experts and placement (VllmEplbWorker.after_switch)", _vllm_elastic, _fn("self")),
     # -- the step breakdown's probes (runtime/step_probes.py), over the capability adaptations
     *(Adaptation(f"probes.state_{name}", EPLB_STATE, f"EplbState.{method}", "hook",
                  "times upstream's EPLB step phases on the serving thread", _probes, _fn(*params))

@@ -10,8 +10,12 @@ quant methods upstream refuses EPLB for but whose experts have a view are served
 
 from __future__ import annotations
 
+from eplb_graph.upstream.adaptations import PLUGIN, adaptation
+
+from .import_hooks import call_after_import
 from .runner_hooks import attach_after_load, install_runner_hooks
 
+STATELESS_CPU = ("stateless_cpu.coordinator_init", "stateless_cpu.eplb_communicator")  # stateless_cpu.INSTALLED
 __all__ = ["attach_after_load", "install_runner_hooks", "register"]
 
 
@@ -25,3 +29,20 @@ def register() -> None:
     install_engine_config_gate()
     install_runner_hooks()
     install_quant_method_hooks()
+    # vLLM's elastic EP groups on CPU (stateless_cpu.py), each adaptation once vLLM imports its module
+    for key in STATELESS_CPU:
+        call_after_import(adaptation(key).module, f"eplb-graph {key}", lambda module, key=key: install_stateless_cpu(key))
+    call_after_import(adaptation("elastic_scaling.load_model").module, "eplb-graph elastic scaling",
+                      lambda module: install_elastic_scaling())
+
+
+def install_elastic_scaling() -> None:
+    from .elastic_scaling import ElasticCpuScaling
+
+    ElasticCpuScaling.install(PLUGIN)
+
+
+def install_stateless_cpu(key: str) -> None:
+    from .stateless_cpu import install_for_plugin
+
+    install_for_plugin(key)

@@ -5,7 +5,7 @@ before it runs). With ``enable_eplb`` off it calls upstream and changes nothing.
 on it:
 
 1. refuses, before any process starts, what eplb-graph cannot serve, naming it:
-   synchronous EPLB, elastic EP (upstream runs it synchronously), dual-batch overlap,
+   synchronous EPLB, an elastic EP layout it cannot serve (``elastic_gate.py``), dual-batch overlap,
    vllm-ascend's V1-only EPLB controls mixed with ``enable_eplb``, a quantization no viewed
    method belongs to (asked for, found in the checkpoint, or built online: ``fp8`` on a checkpoint
    without FP8 weights is online per-tensor FP8), and, on CPU, TP and DP together, or prefill
@@ -31,6 +31,7 @@ from eplb_graph.upstream import patches
 from eplb_graph.upstream.adaptations import PLUGIN, adaptation, applicable
 from eplb_graph.upstream.watchdog import stall_bound_from_env
 
+from .elastic_gate import configure_elastic, elastic_off_while_building, elastic_problems
 from .expert_views import SUPPORTED_QUANTIZATIONS, VIEWED_MOE_METHODS
 
 if TYPE_CHECKING:
@@ -58,8 +59,7 @@ def check_eplb_request(engine_args, *, on_cpu: bool) -> None:
     eplb = engine_args.eplb_config
     if not eplb.use_async:
         problems.append("synchronous EPLB (eplb_config.use_async=False): eplb-graph supports asynchronous EPLB only")
-    if engine_args.enable_elastic_ep:
-        problems.append("enable_elastic_ep=True: upstream elastic EP runs EPLB synchronously")
+    problems += elastic_problems(engine_args, on_cpu=on_cpu, environ=os.environ)
     if engine_args.enable_dbo:
         problems.append("enable_dbo=True: dual-batch overlap splits the unpadded-token count per micro-batch")
     legacy = sorted(set(engine_args.additional_config or {}) & set(LEGACY_EPLB_CONTROLS))
@@ -71,7 +71,8 @@ def check_eplb_request(engine_args, *, on_cpu: bool) -> None:
         problems.append("enable_expert_parallel=False: EPLB needs expert parallel")
     if engine_args.quantization not in SUPPORTED_QUANTIZATIONS:
         problems.append(quantization_problem(engine_args.quantization))
-    if on_cpu and engine_args.tensor_parallel_size > 1 and engine_args.data_parallel_size > 1:
+    if on_cpu and engine_args.tensor_parallel_size > 1 and engine_args.data_parallel_size > 1 \
+            and not engine_args.enable_elastic_ep:  # named there
         problems.append(
             f"tensor_parallel_size={engine_args.tensor_parallel_size} with data_parallel_size="
             f"{engine_args.data_parallel_size} on CPU: vLLM dispatches MoE tokens sequence-parallel over the EP group "
@@ -151,13 +152,16 @@ def create_engine_config_with_eplb(upstream_create, engine_args, *args, **kwargs
         # as without EPLB; the two fields are given back as they were, also when upstream refuses).
         requested = engine_args.eplb_config
         with patches.scoped("gate.args_enable_eplb", False, on=engine_args, by=PLUGIN), \
-                patches.scoped("gate.args_eplb_config", EPLBConfig(), on=engine_args, by=PLUGIN):
+                patches.scoped("gate.args_eplb_config", EPLBConfig(), on=engine_args, by=PLUGIN), \
+                elastic_off_while_building(engine_args):
             config = upstream_create(engine_args, *args, **kwargs)
         eplb = copy.deepcopy(requested)
         if eplb.communicator is None:  # upstream's auto-selection lives in the validator we skipped
             patches.configure("config.cpu_eplb_communicator", "torch_gloo", on=eplb)
         patches.configure("config.cpu_enable_eplb", True, on=config.parallel_config)
         patches.configure("config.cpu_eplb_config", eplb, on=config.parallel_config)
+        if engine_args.enable_elastic_ep:
+            configure_elastic(config, engine_args, os.environ)
     else:
         config = upstream_create(engine_args, *args, **kwargs)
     problem = built_quantization_problem(config)

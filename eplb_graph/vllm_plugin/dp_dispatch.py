@@ -21,6 +21,9 @@ from eplb_graph.upstream import patches
 HOOKS = {"all_gatherv": "dp_dispatch.all_gatherv", "reduce_scatterv": "dp_dispatch.reduce_scatterv"}  # -> adaptation
 # vLLM's CPU communicator, and ours on its stateless (elastic) groups (stateless_cpu.py), a subclass
 SERVED = ("CpuCommunicator", "StatelessCpuCommunicator")
+# The slot name the compiled graph reads (an op argument): one DP group per worker process, and
+# vLLM's elastic EP replaces the group (a new name) at each resize while the graph stays.
+SLOT = "vllm:dp"
 
 
 class DpDispatchError(RuntimeError):
@@ -94,4 +97,4 @@ def bind_dp_dispatch(parallel_config) -> VariableSizeCollectives | None:
     if type(manager).__name__ != "AgRsAll2AllManager":
         raise DpDispatchError(f"DP={parallel_config.data_parallel_size} on CPU: eplb-graph serves vLLM's "
                               f"all-gather / reduce-scatter dispatch, the EP group has {type(manager).__name__}")
-    return VariableSizeCollectives(get_dp_group(), f"vllm:{get_dp_group().unique_name}")
+    return VariableSizeCollectives(get_dp_group(), SLOT)

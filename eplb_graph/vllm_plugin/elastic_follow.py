@@ -54,8 +54,8 @@ def after_switch(worker: VllmEplbWorker) -> None:
     capacity buffers at the new slot count (``reconfigure_physical_expert_slots``) and the EP
     group is a new one. Our tables are capacity-sized and bound to the capacity rows, so their
     storage stays; they are refreshed from upstream's re-viewed placement (the slots beyond it
-    empty). The EP size is read live (``VllmEplbWorker.ep_size``, the metrics). Rebinding the
-    experts and the DP dispatch to upstream's new instances is not done here."""
+    empty). The EP size is read live (``VllmEplbWorker.ep_size``, the metrics). The DP dispatch
+    and each layer's local experts are bound again, to upstream's new DP group and experts."""
     for model_state in worker.runner.eplb_state.model_states.values():
         layers = worker.layers_of(model_state)
         placed, capacity = model_state.physical_to_logical_map.shape[1], layers[0].tables.num_physical_experts
@@ -63,3 +63,9 @@ def after_switch(worker: VllmEplbWorker) -> None:
             raise ValueError(f"eplb-graph: upstream places {placed} expert slots after the resize, more than the "
                              f"{capacity} our tables hold (elastic_ep_max_dp_size)")
     refresh_from_upstream(worker)
+    if worker.dp_dispatch is not None:
+        from .dp_dispatch import bind_dp_dispatch
+
+        worker.dp_dispatch.unbind()
+        worker.dp_dispatch = bind_dp_dispatch(worker.runner.parallel_config)
+    worker.local_experts = {key: experts.rebind() for key, experts in worker.local_experts.items()}

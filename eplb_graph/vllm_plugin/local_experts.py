@@ -49,6 +49,7 @@ class LocalPairExperts:
         if patches.installed(self.adaptation, on=experts):
             raise LocalExpertsError(f"layer {key}: its experts' apply is already bound")
         self.key = key
+        self.routed_experts = routed_experts
         self.experts = experts
         self.upstream_apply = type(experts).apply.__get__(experts)
         self.activation = routed_experts.activation
@@ -60,6 +61,12 @@ class LocalPairExperts:
     def unbind(self) -> None:
         patches.uninstall(self.adaptation, on=self.experts)
         LOCAL_EXPERTS.unregister(self.key)
+
+    def rebind(self) -> LocalPairExperts:
+        """Bound to the layer's experts instance now: vLLM's elastic EP builds new ones at a resize
+        (``elastic_follow.after_switch``), with the EP group's new ``global_num_experts``."""
+        self.unbind()
+        return LocalPairExperts(self.routed_experts, self.key)
 
     @property
     def counts(self) -> PairCounts:

@@ -12,7 +12,7 @@ group ranks through the group's own process group (c10d cannot translate global 
 it never registered), and vLLM's ``AgRsAll2AllManager`` over the stateless group on the EP group
 (``all_gatherv`` / ``reduce_scatterv`` on the DP group come from ``dp_dispatch``).
 ``StatelessCpuAdaptations`` installs the two adaptations (``adaptations.py``: ``stateless_cpu.*``)
-and takes them back: the plugin where it serves elastic EP, nothing else.
+and takes them back; the plugin installs them in every vLLM process on CPU (``install_for_plugin``).
 """
 
 from __future__ import annotations
@@ -131,13 +131,16 @@ def _eplb_communicator(upstream):
 class StatelessCpuAdaptations:
     """Installs both adaptations (the plugin's elastic mode, and tests), and takes them back."""
 
-    def __init__(self) -> None:
+    def __init__(self, by: object | None = None) -> None:
+        self._by = self if by is None else by  # the installer the registry records (the plugin's name)
         self._wrappers: dict[str, object] = {}  # what this one installed: installing again is a no-op
 
-    def install(self) -> None:
+    def install(self, keys: tuple[str, ...] = INSTALLED) -> None:
         for key, make in ((INIT, _coordinator_init), (EPLB_COMMUNICATOR, _eplb_communicator)):
+            if key not in keys:
+                continue
             wrapper = self._wrappers.get(key) or make(patches.current(key))
-            patches.install(key, wrapper, by=self)  # refused where another installer's is there
+            patches.install(key, wrapper, by=self._by)  # refused where another installer's is there
             self._wrappers[key] = wrapper
 
     def uninstall(self) -> None:
@@ -145,3 +148,14 @@ class StatelessCpuAdaptations:
         for key in reversed(INSTALLED):
             if self._wrappers.pop(key, None) is not None:
                 patches.uninstall(key)
+
+
+def install_for_plugin(key: str) -> None:
+    """The plugin's installation of one of the two, once per process, when vLLM has imported its
+    module (``import_hooks``; the two modules import each other): on CPU upstream's own path for
+    stateless groups fails, so they serve every elastic EP group and nothing else."""
+    from eplb_graph.upstream.adaptations import PLUGIN
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and not patches.installed(key):
+        StatelessCpuAdaptations(by=PLUGIN).install((key,))

@@ -152,6 +152,7 @@ class VllmEplbWorker:
         if watched:
             self.compile_watch = CompileWatch(lambda: sum(layer.graph_mappings for layer in watched), vllm_logger())
         self.rearrangements_logged = 0
+        self.movers: dict[int, object] = {}  # every EPLB communicator this worker had, by identity
         self.metrics_failed = False  # logged once
         self.metrics = WorkerMetrics(
             {"model_name": str(runner.model_config.served_model_name), "engine": str(parallel_config.data_parallel_rank),
@@ -161,6 +162,14 @@ class VllmEplbWorker:
         if self.built_upstream_state and runner.eplb_state.is_async:
             runner.eplb_state.start_async_loop()
         log_active(self)
+
+    def before_switch(self) -> None:
+        """vLLM's elastic EP is about to switch this worker's groups (``elastic_scaling``)."""
+        self.bytes_moved()  # the mover being replaced is counted
+
+    def after_switch(self) -> None:
+        """vLLM's elastic EP switched this worker to a resized group (``elastic_scaling``)."""
+        elastic_follow.after_switch(self)
 
     @staticmethod
     def current_ep_size() -> int:
@@ -307,10 +316,12 @@ class VllmEplbWorker:
         }
 
     def bytes_moved(self) -> tuple[int, int]:
-        """Expert bytes this rank's movers sent to and received from other EP ranks (our mover counts them)."""
-        states = self.runner.eplb_state.model_states.values()
-        return (sum(getattr(state.communicator, "bytes_sent", 0) for state in states),
-                sum(getattr(state.communicator, "bytes_received", 0) for state in states))
+        """Expert bytes this rank's movers sent to and received from other EP ranks (our mover counts
+        them), over every mover it has had: vLLM's elastic EP gives each resized group a new one."""
+        for state in self.runner.eplb_state.model_states.values():
+            self.movers.setdefault(id(state.communicator), state.communicator)
+        return (sum(getattr(mover, "bytes_sent", 0) for mover in self.movers.values()),
+                sum(getattr(mover, "bytes_received", 0) for mover in self.movers.values()))
 
     def slot_digests(self) -> dict[str, list[str]]:
         """Per layer, a digest of each local slot's expert storage (all it moves), for checking

@@ -103,6 +103,7 @@ class Engine:
         self.runner.parallel_config = self.parallel_config
         self.worker = VllmEplbWorker.__new__(VllmEplbWorker)  # its elastic methods need the runner and binding
         self.worker.runner, self.worker.binding = self.runner, self.binding
+        self.worker.dp_dispatch, self.worker.local_experts = None, {}  # no DP dispatch, no EP experts here
         self.pointers = self.storage()
 
     def storage(self) -> list[tuple[int, int, int]]:

@@ -113,3 +113,22 @@ def test_experts_of_another_class_are_refused_by_name():
 
     with pytest.raises(LocalExpertsError, match="this layer's experts are TritonExperts"):
         LocalPairExperts(layer(TritonExperts()), "test.layers.1.experts")
+
+
+def test_rebinding_follows_the_layers_new_experts_instance_and_expert_count():
+    """vLLM's elastic EP gives a layer a new experts instance and global expert count at a resize."""
+    old = X86CPUUnquantizedExperts()
+    routed = layer(old)
+    binding = LocalPairExperts(routed, "test.layers.2.experts")
+    new = X86CPUUnquantizedExperts()
+    routed.quant_method.moe_kernel.fused_experts, routed.global_num_experts = new, 6
+    rebound = binding.rebind()
+    try:
+        assert "apply" not in vars(old) and "apply" in vars(new) and rebound.global_num_experts == 6
+        w13, w2 = torch.randn(2, 2 * I, H), torch.randn(2, H, I)
+        x, weights, ids = torch.randn(3, H), torch.rand(3, 2), torch.tensor([[4, 5]] * 3, dtype=torch.int32)
+        expert_map = torch.tensor([-1, -1, -1, -1, 0, 1], dtype=torch.int32)
+        out = call(new, expert_map, w13, w2, x, weights, ids, global_num_experts=6)
+        torch.testing.assert_close(out, silu_moe(x, w13, w2, weights, ids.long() - 4))
+    finally:
+        rebound.unbind()

@@ -61,17 +61,16 @@ def test_the_adaptations_install_once_and_come_back_out_cleanly():
     adaptations.uninstall()  # again: nothing to take back
 
 
-def test_doctor_lists_each_adaptation_as_holding_for_vllms_elastic_ep_on_cpu():
+def test_doctor_lists_each_adaptation_as_holding_for_the_plugin_on_cpu():
     from eplb_graph.tools.doctor import adaptation_rows, adaptations_markdown
-    from eplb_graph.upstream.adaptations import VLLM_ELASTIC, applicable
+    from eplb_graph.upstream.adaptations import PLUGIN, applicable
 
     rows = {row["key"]: row for row in adaptation_rows("cpu")}
     for key in KEYS:
         assert rows[key]["applies"] and rows[key]["status"] == "ok", rows[key]
-        assert rows[key]["component"] == [VLLM_ELASTIC] and f"`{key}`" in adaptations_markdown()
-    assert {a.key for a in applicable("cpu", VLLM_ELASTIC)} == set(KEYS)
-    assert not {a.key for a in applicable("cpu", "vllm plugin")} & set(KEYS)  # only where elastic is served
-    assert not {a.key for a in applicable("cuda", VLLM_ELASTIC)}
+        assert rows[key]["component"] == [PLUGIN] and f"`{key}`" in adaptations_markdown()
+    assert {a.key for a in applicable("cpu", PLUGIN)} >= set(KEYS)  # the gate checks them at engine start
+    assert not {a.key for a in applicable("cuda", PLUGIN)} & set(KEYS)  # CPU only
 
 
 def bare_stateless(cpu_group):
