@@ -61,6 +61,7 @@ bench: $(STAMP)
 	$(VENV)/bin/eplb-graph run --chaos 2 --resize-deadline 120 --out $(BENCH)/chaos_2
 	$(VENV)/bin/eplb-graph run --chaos 3 --resize-deadline 120 --out $(BENCH)/chaos_3
 	$(VENV)/bin/python benchmarks/bench_vllm_eplb.py --out $(BENCH)/bench_vllm_eplb.json
+	$(VENV)/bin/python benchmarks/bench_vllm_elastic.py --out $(BENCH)/bench_vllm_elastic.json
 	$(VENV)/bin/python benchmarks/bench_kept_placement.py --out $(BENCH)/bench_kept_placement.json
 
 # vLLM's control plane for the lent GPU image (no vLLM there): benchmarks/gpu_carry.py

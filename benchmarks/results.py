@@ -51,6 +51,7 @@ FILES = {
     "chaos_3": "chaos_3/chaos.json",
     "vllm_eplb": "bench_vllm_eplb.json",
     "kept_placement": "bench_kept_placement.json",
+    "vllm_elastic": "bench_vllm_elastic.json",
     "gpu": "gpu_bench.json",
 }
 assert set(FILES) == set(RENDERERS) == set(TITLES), "each benchmark file has a renderer and a title"
@@ -168,6 +169,12 @@ def headline(record: dict) -> str:
                      f"{vllm_eplb['rebalanced_over_static']} ({vllm_eplb['aa_ratio']}); {vllm_eplb['balancedness_static']}"
                      f" -> {vllm_eplb['balancedness_rebalanced']}; {vllm_eplb['share_of_predicted_gain']} of "
                      f"{vllm_eplb['predicted_gain']}", ">= 1.15; -; >= 0.8", "`bench_vllm_eplb.py`"])
+    vllm_elastic = record.get("vllm_elastic")
+    if vllm_elastic:
+        pauses = ", ".join(f"{x['from']}->{x['to']} {x['request_to_serving_s']} ({x['pause_s']}; {x['recompiles']})"
+                           for x in vllm_elastic["resizes"] if x["arm"] == "reset")
+        rows.append([f"vLLM elastic EP (upstream's reset at the switch): request to serving, s (longest pause; "
+                     f"recompiles)", pauses, "kept / reset pause <= 0.5, 0 recompiles", "`bench_vllm_elastic.py`"])
     kept = record.get("kept_placement")
     if kept:
         rows.append([f"vLLM {kept['layout']} restart, skewed router: balancedness of the first window, cold -> from "

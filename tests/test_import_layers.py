@@ -150,6 +150,12 @@ def test_the_product_never_imports_the_reference_tests_or_benchmarks():
     assert not wrong, _report(wrong)
 
 
+def test_the_reference_never_imports_the_tests_or_benchmarks():
+    """It is installed on its own (``pip install -e reference``), where neither exists."""
+    wrong = [i for i in scan(REFERENCE) if any(_under(i.target, p) for p in ("tests", "benchmarks"))]
+    assert not wrong, _report(wrong)
+
+
 def test_the_reference_uses_only_the_products_public_names():
     wrong = [i for i in scan(REFERENCE) if _under(i.target, "eplb_graph")
              and ((i.name or "").startswith("_") or any(part.startswith("_") for part in i.target.split(".")))]

@@ -171,6 +171,16 @@ def render_kept_placement(r: dict) -> str:
     return f"{meta}\n\n{runs}\n\n{summary}"
 
 
+def render_vllm_elastic(r: dict) -> str:
+    resizes = table(["arm", "resize", "request to serving s", "pause s", "recompiles", "balancedness before -> after",
+                     "tokens/s before -> after"],
+                    [[x["arm"], f"{x['from']} -> {x['to']}", x["request_to_serving_s"], x["pause_s"], x["recompiles"],
+                      f"{x['balancedness_before']} -> {x['balancedness_after']}",
+                      f"{x['tokens_per_s_before']} -> {x['tokens_per_s_after']}"] for x in r["resizes"]])
+    kept = r["kept_over_reset_pause"] if r["kept_over_reset_pause"] is not None else f"not measured: {r['kept_refused']}"
+    return f"{resizes}\n\nkept / reset median pause: {kept}; reset A/A: {r['aa_ratio']}"
+
+
 def render_chaos(r: dict) -> str:
     totals = table(["faults (by kind)", "seconds", "requests answered / unanswered", "answered twice", "mismatches",
                     "recompiles", "detection max s (bound)", "detection to serving max s (bound)", "failed"],
@@ -195,7 +205,7 @@ RENDERERS = {"run": render_run, "bench": render_bench, "data_plane": render_benc
              "elastic_fault": render_elastic, "elastic_fault_rank0": render_elastic,
              "elastic_control": render_elastic_control, "chaos_1": render_chaos, "chaos_2": render_chaos,
              "chaos_3": render_chaos, "vllm_eplb": render_vllm_eplb, "kept_placement": render_kept_placement,
-             "gpu": render_gpu}
+             "vllm_elastic": render_vllm_elastic, "gpu": render_gpu}
 TITLES = {
     "run": "`make run` (`eplb-graph run`: 2 ranks, compiled, live EPLB, outputs checked every step)",
     "bench": "`eplb-graph bench` (capture vs eager, EPLB off / on_idle / on_rearranging)",
@@ -217,5 +227,6 @@ TITLES = {
     "chaos_3": "`eplb-graph run --chaos 3`",
     "vllm_eplb": "`bench_vllm_eplb.py` (vLLM TP=2 + EP on a skewed router: rebalanced against static placement)",
     "kept_placement": "`bench_kept_placement.py` (vLLM TP=2 + EP: the first windows from a cold start and from a kept placement)",
+    "vllm_elastic": "`bench_vllm_elastic.py` (vLLM's own elastic EP through the plugin: each resize under a stream)",
     "gpu": "`gpu_bench.py` on a lent GPU",
 }

@@ -7,7 +7,8 @@ group cannot take are answered 400 at once and serving goes on.
 
 Not proven here: that compiled graphs survive a resize (upstream's switch resets them on CPU,
 and this test counts the recompiles it causes rather than asserting none), DP 2 -> 4 (four
-engines beside the reference server do not fit this machine's two cores in the test's time)."""
+engines beside the reference server do not fit this machine's two cores in the test's time), a
+scale-up whose new engine never starts (upstream then waits for it without a bound: #65's note)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.docs.quickstart_blocks import quickstart_blocks
-from tests.eplb_graph.vllm_plugin.ray_head import PrivateRayHead
+from eplb_reference.bench.ray_head import PrivateRayHead
 from tests.eplb_graph.vllm_plugin.test_server import (
     SECTION, completion, free_ports, start_server, stop, wait_until_ready, write_quickstart_checkpoint)
 
@@ -154,3 +155,4 @@ def test_a_size_the_group_cannot_take_is_refused_at_once_and_serving_goes_on(ela
         assert status == 400 and "from 2 to 4" in answer, (size, status, answer)
     prompt = PROMPTS[0]
     assert text(completion(elastic.server, elastic.model_dir, prompt, MAX_TOKENS)) == elastic.reference[prompt]
+

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from eplb_reference.bench.ray_head import free_ports
 from eplb_reference.models.tiny_checkpoint import TINY_QWEN3_MOE
 from tests.docs.quickstart_blocks import quickstart_blocks
 from tests.eplb_graph.vllm_plugin.cpu_quantized_experts import EXACT_TOKENS_PER_EXPERT, LIFT_ENV
@@ -45,19 +45,6 @@ NO_CACHES = {"VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": 
 def repo_on_pythonpath() -> dict[str, str]:
     """PYTHONPATH with this repository first: vLLM's processes import the tests' helpers from it."""
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free ports, held together while chosen: two chosen one after the other can be the
-    same port, when nothing has bound the first yet."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def server_argv(command: str, *, eplb: bool) -> tuple[dict[str, str], list[str]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.eplb_graph.vllm_plugin.ray_head import PrivateRayHead, alive
+from eplb_reference.bench.ray_head import PrivateRayHead, alive
 
 pytestmark = pytest.mark.launches  # a Ray head: left out by make test-fast
 

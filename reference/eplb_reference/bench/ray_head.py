@@ -1,5 +1,5 @@
-"""A private Ray head for tests: vLLM's Ray DP backend (``--data-parallel-backend ray``) needs a
-Ray cluster, and a test must neither join nor stop anyone else's.
+"""A private Ray head for tests and benchmarks: vLLM's Ray DP backend (``--data-parallel-backend
+ray``) needs a Ray cluster, and a test must neither join nor stop anyone else's.
 
 ``PrivateRayHead`` runs ``ray start --head --block`` with its own short temp dir, every port
 chosen free on 127.0.0.1, a custom resource vLLM's CPU placement can key on, a small object
@@ -48,6 +48,19 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 HEAD_ENV = {"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0",
             "RAY_memory_monitor_refresh_ms": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # node IP 127.0.0.1, kept (see above)
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free ports, held together while chosen: two chosen one after the other can be the
+    same port, when nothing has bound the first yet."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def _die_with_parent() -> None:
@@ -101,7 +114,8 @@ class PrivateRayHead:
 
     def __init__(self, *, resources: dict[str, float] | None = None, num_cpus: int = 4,
                  object_store_bytes: int = 256 * 2**20, start_timeout_s: float = 120.0,
-                 stop_timeout_s: float = 20.0) -> None:
+                 stop_timeout_s: float = 20.0, env: dict[str, str] | None = None) -> None:
+        self.extra_env = dict(env or {})  # for every process of the head's tree (Ray's workers included)
         self.resources = dict(DEFAULT_RESOURCES if resources is None else resources)
         self.num_cpus = num_cpus
         self.object_store_bytes = object_store_bytes
@@ -157,9 +171,6 @@ class PrivateRayHead:
                 "--min-worker-port=0", "--max-worker-port=0"]
 
     def __enter__(self) -> PrivateRayHead:
-        # Imported here: test_server.py may import this module (the elastic server tests)
-        from tests.eplb_graph.vllm_plugin.test_server import free_ports
-
         names = ("gcs", "dashboard", "client_server", "node_manager", "object_manager",
                  "dashboard_agent_http", "dashboard_agent_grpc", "runtime_env_agent",
                  "metrics_export", "autoscaler_metrics", "dashboard_metrics")
@@ -169,7 +180,7 @@ class PrivateRayHead:
         self.temp_dir = Path(tempfile.mkdtemp(prefix="egr", dir="/tmp"))
         self._log = self.temp_dir / "ray_start.log"
         env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
-        env.update(HEAD_ENV, **LOOPBACK_ENV, **{MARKER: str(self.temp_dir)})
+        env.update(HEAD_ENV, **LOOPBACK_ENV, **self.extra_env, **{MARKER: str(self.temp_dir)})
         # The autoscaler's and the dashboard's metrics servers take fixed ports (44217, 44227)
         # unless told otherwise: two heads on one machine would collide there
         env.update(AUTOSCALER_METRIC_PORT=str(self.ports["autoscaler_metrics"]),

@@ -1,0 +1,233 @@
+"""vLLM's elastic EP through the plugin, resized while serving: what each resize costs.
+
+The OpenAI server of docs/quickstart-hf.md's elastic section (a private Ray head on 127.0.0.1,
+DP=2, ``--elastic-ep-max-dp-size`` the largest size asked), on bench_vllm_eplb.py's skewed
+checkpoint (its hot experts start unreplicated on rank 0), resized ``--sizes`` (2 -> 3 -> 2 by
+default) while one client streams completions back to back. For each resize:
+
+* ``request_to_serving_s``: from the ``POST /scale_elastic_ep`` to the first token after its answer;
+* ``pause_s``: the longest gap between two streamed tokens from the POST to that first token;
+* ``recompiles``: graphs compiled while serving over the resize (``eplb_graph:graphs_compiled_while_serving``,
+  each compiled graph maps every MoE layer once: the counter over the layer count);
+* ``balancedness_before`` / ``_after``: ``eplb_graph:balancedness_committed`` (all layers, EP rank 0)
+  before the POST, and after the first rearrangement that finished after it;
+* ``tokens_per_s_before`` / ``_after``: streamed tokens per second over ``--window-s`` before the
+  POST and after that rearrangement.
+
+Arms: ``reset`` is what vLLM 0.32 does at every switch on CPU (``_release_cuda_graphs``: Dynamo
+reset, every graph recompiled by the re-warm). ``kept`` (the compiled graphs kept through the
+switch) is not served yet: upstream's MoE layer bakes the EP size into the graph (its
+``expert_map`` is replaced at the new size, ``global_num_experts`` and the DP sizes are Python
+values), so it is refused by name and ``kept_over_reset_pause`` is null. ``--rounds`` runs of each
+arm, each its own server; ``aa_ratio`` is the reset arm's second median pause over its first.
+
+    python benchmarks/bench_vllm_elastic.py --out out/bench/bench_vllm_elastic.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_vllm_eplb import add_skewed_checkpoint_arguments, skewed_checkpoint  # noqa: E402
+
+from eplb_reference.bench.ray_head import PrivateRayHead  # noqa: E402
+from eplb_reference.models.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
+
+ARMS = ("reset", "kept")
+# No compile caches: each run compiles as a fresh server does (a cache hit would skip the recompiles measured)
+NO_CACHES = {"VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+KEPT_REFUSED = ("the kept arm is not served yet: vLLM's MoE layer bakes the EP size into the compiled graph "
+                "(expert_map replaced at the new size, global_num_experts and the DP sizes as Python values)")
+
+
+def post(port: int, path: str, body: dict, timeout: float) -> tuple[int, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def scrape(port: int) -> dict[str, list]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as response:
+        return {f.name: f.samples for f in text_string_to_metric_families(response.read().decode())}
+
+
+def counter_sum(families: dict, family: str) -> float:
+    return sum(s.value for s in families.get(family, []) if s.name.endswith("_total"))
+
+
+def rank0(families: dict, family: str, **labels: str) -> float | None:
+    for sample in families.get(family, []):
+        if sample.labels.get("ep_rank") == "0" and all(sample.labels.get(k) == v for k, v in labels.items()):
+            return sample.value
+    return None
+
+
+class Stream(threading.Thread):
+    """Streams completions back to back, keeping each token's arrival time; retries a 503 (the switch)."""
+
+    def __init__(self, port: int, model: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.port, self.model, self.max_tokens = port, model, max_tokens
+        self.stopping = threading.Event()
+        self.token_times: list[float] = []
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        body = json.dumps({"model": self.model, "prompt": "expert parallel load balancing " * 8, "stream": True,
+                           "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True}).encode()
+        while not self.stopping.is_set():
+            request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=600) as response:
+                    for line in response:
+                        if line.startswith(b"data: {"):
+                            self.token_times.append(time.monotonic())
+            except urllib.error.HTTPError as error:
+                if error.code != 503:
+                    self.errors.append(f"{error.code}: {error.read().decode()[:200]}")
+                self.stopping.wait(0.2)
+            except OSError as error:
+                self.errors.append(repr(error))
+                self.stopping.wait(0.2)
+
+    def rate(self, start: float, end: float) -> float:
+        return sum(start <= t < end for t in self.token_times) / (end - start)
+
+
+def wait_ready(process: subprocess.Popen, port: int, log: Path, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"server exited {process.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)  # polling the health endpoint
+    raise SystemExit(f"server not ready in {timeout_s} s")
+
+
+def resize(port: int, stream: Stream, size: int, args: argparse.Namespace, layers: int) -> dict:
+    """One resize under the stream, measured as the module docstring says."""
+    before = scrape(port)
+    window_end = time.monotonic()
+    tokens_before = stream.rate(window_end - args.window_s, window_end)
+    started = time.monotonic()
+    status, answer = post(port, "/scale_elastic_ep", {"new_data_parallel_size": size}, timeout=900)
+    if status != 200:
+        raise SystemExit(f"resize to {size} answered {status}: {answer}")
+    answered = time.monotonic()
+    while not [t for t in stream.token_times if t > answered]:
+        stream.stopping.wait(0.05)
+    first = min(t for t in stream.token_times if t > answered)
+    times = [started] + [t for t in stream.token_times if started <= t <= first]
+    finished_before = rank0(before, "eplb_graph:rearrangements_finished_total") or 0
+    deadline = time.monotonic() + args.rebalance_timeout_s
+    after = scrape(port)
+    while (rank0(after, "eplb_graph:rearrangements_finished_total") or 0) <= finished_before \
+            and time.monotonic() < deadline:
+        stream.stopping.wait(1.0)
+        after = scrape(port)
+    stream.stopping.wait(args.window_s)
+    window_end = time.monotonic()
+    return {"from": None, "to": size, "request_to_serving_s": round(first - started, 3),
+            "pause_s": round(max(b - a for a, b in zip(times, times[1:])), 3),
+            "recompiles": (counter_sum(scrape(port), "eplb_graph:graphs_compiled_while_serving")
+                           - counter_sum(before, "eplb_graph:graphs_compiled_while_serving")) / layers,
+            "balancedness_before": rank0(before, "eplb_graph:balancedness_committed", layer="all"),
+            "balancedness_after": rank0(after, "eplb_graph:balancedness_committed", layer="all"),
+            "tokens_per_s_before": round(tokens_before, 2),
+            "tokens_per_s_after": round(stream.rate(window_end - args.window_s, window_end), 2)}
+
+
+def run_arm(arm: str, model: Path, args: argparse.Namespace, workdir: Path) -> list[dict]:
+    port = int(args.port)
+    log = workdir / f"{arm}-{time.monotonic_ns()}.log"
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+            "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4",
+            "--data-parallel-size", str(args.sizes[0]), "--data-parallel-backend", "ray",
+            "--data-parallel-address", "127.0.0.1", "--enable-expert-parallel", "--enable-eplb",
+            "--enable-elastic-ep", "--elastic-ep-max-dp-size", str(max(args.sizes)),
+            "--eplb-config", json.dumps({"window_size": args.window, "step_interval": args.interval,
+                                         "num_redundant_experts": args.redundant})]
+    most = max(args.sizes)
+    with PrivateRayHead(num_cpus=most + 1, resources={"eplb_graph_dp": most}) as head, log.open("w") as out:
+        env = {**os.environ, **head.client_env, **NO_CACHES, "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(rank % os.cpu_count()) for rank in range(most))}
+        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        stream = Stream(port, str(model), args.max_tokens)
+        try:
+            wait_ready(process, port, log)
+            stream.start()
+            stream.stopping.wait(args.window_s + args.warm_s)
+            results, current = [], args.sizes[0]
+            for size in args.sizes[1:]:
+                result = resize(port, stream, size, args, args.layers)
+                results.append({**result, "arm": arm, "from": current})
+                current = size
+            if stream.errors:
+                raise SystemExit(f"requests failed: {stream.errors[:3]}")
+            return results
+        finally:
+            stream.stopping.set()
+            os.killpg(process.pid, 15)
+            process.wait(120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=["reset"])
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each arm (>= 2: the A/A ratio)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 3, 2], help="the DP sizes, the start first")
+    parser.add_argument("--port", type=int, default=18231)
+    parser.add_argument("--window", type=int, default=8)
+    parser.add_argument("--interval", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--window-s", type=float, default=10.0, help="the throughput windows")
+    parser.add_argument("--warm-s", type=float, default=20.0, help="served before the first window")
+    parser.add_argument("--rebalance-timeout-s", type=float, default=120.0)
+    add_skewed_checkpoint_arguments(parser, intermediate=256)
+    args = parser.parse_args(argv)
+    if "kept" in args.arms:
+        parser.error(KEPT_REFUSED)
+    if args.rounds < 2 or len(args.sizes) < 2 or min(args.sizes) < 2:
+        parser.error("--rounds >= 2, and at least two --sizes, each >= 2")
+    with tempfile.TemporaryDirectory(prefix="bench_vllm_elastic_") as tmp:
+        workdir = Path(tmp)
+        model = skewed_checkpoint(parser, args, workdir / "model")
+        write_tiny_tokenizer(model, 512)  # the server tokenizes (the checkpoint's vocabulary)
+        runs = [run_arm(arm, model, args, workdir) for _ in range(args.rounds) for arm in args.arms]
+    resizes = [resize for run in runs for resize in run]
+    pauses = [statistics.median(r["pause_s"] for r in run) for run in runs if run and run[0]["arm"] == "reset"]
+    report = {"resizes": resizes, "kept_over_reset_pause": None, "kept_refused": KEPT_REFUSED,
+              "aa_ratio": round(pauses[1] / pauses[0], 3) if len(pauses) > 1 and pauses[0] else None,
+              "config": {k: v for k, v in vars(args).items() if k != "out"} | {"out": None}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2, default=str))
+    print(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
