@@ -70,14 +70,23 @@ def scrape(port: int) -> dict[str, list]:
         return {f.name: f.samples for f in text_string_to_metric_families(response.read().decode())}
 
 
-def counter_sum(families: dict, family: str) -> float:
-    return sum(s.value for s in families.get(family, []) if s.name.endswith("_total"))
+def per_rank(families: dict, family: str) -> dict[str, float]:
+    """``ep_rank`` -> a counter's value."""
+    return {s.labels["ep_rank"]: s.value for s in families.get(family, []) if s.name.endswith("_total")}
 
 
-def rank0(families: dict, family: str, **labels: str) -> float | None:
-    for sample in families.get(family, []):
-        if sample.labels.get("ep_rank") == "0" and all(sample.labels.get(k) == v for k, v in labels.items()):
-            return sample.value
+def counted_since(before: dict, after: dict, family: str) -> float:
+    """What a counter grew by over every rank there after (a rank the resize added counts from 0)."""
+    was, now = per_rank(before, family), per_rank(after, family)
+    return sum(value - was.get(rank, 0.0) for rank, value in now.items())
+
+
+def sample(families: dict, family: str, **labels: str) -> float | None:
+    """The family's sample (a counter's ``_total``) with ``labels``; None if it has none yet."""
+    for each in families.get(family, []):
+        if not each.name.endswith(("_created", "_bucket", "_count", "_sum")) \
+                and all(each.labels.get(k) == v for k, v in labels.items()):
+            return each.value
     return None
 
 
@@ -141,10 +150,10 @@ def resize(port: int, stream: Stream, size: int, args: argparse.Namespace, layer
         stream.stopping.wait(0.05)
     first = min(t for t in stream.token_times if t > answered)
     times = [started] + [t for t in stream.token_times if started <= t <= first]
-    finished_before = rank0(before, "eplb_graph:rearrangements_finished_total") or 0
+    finished_before = sample(before, "eplb_graph:rearrangements_finished", ep_rank="0") or 0
     deadline = time.monotonic() + args.rebalance_timeout_s
     after = scrape(port)
-    while (rank0(after, "eplb_graph:rearrangements_finished_total") or 0) <= finished_before \
+    while (sample(after, "eplb_graph:rearrangements_finished", ep_rank="0") or 0) <= finished_before \
             and time.monotonic() < deadline:
         stream.stopping.wait(1.0)
         after = scrape(port)
@@ -152,10 +161,9 @@ def resize(port: int, stream: Stream, size: int, args: argparse.Namespace, layer
     window_end = time.monotonic()
     return {"from": None, "to": size, "request_to_serving_s": round(first - started, 3),
             "pause_s": round(max(b - a for a, b in zip(times, times[1:])), 3),
-            "recompiles": (counter_sum(scrape(port), "eplb_graph:graphs_compiled_while_serving")
-                           - counter_sum(before, "eplb_graph:graphs_compiled_while_serving")) / layers,
-            "balancedness_before": rank0(before, "eplb_graph:balancedness_committed", layer="all"),
-            "balancedness_after": rank0(after, "eplb_graph:balancedness_committed", layer="all"),
+            "recompiles": counted_since(before, scrape(port), "eplb_graph:graphs_compiled_while_serving") / layers,
+            "balancedness_before": sample(before, "eplb_graph:balancedness_committed", layer="all"),
+            "balancedness_after": sample(after, "eplb_graph:balancedness_committed", layer="all"),
             "tokens_per_s_before": round(tokens_before, 2),
             "tokens_per_s_after": round(stream.rate(window_end - args.window_s, window_end), 2)}
 
@@ -173,6 +181,7 @@ def run_arm(arm: str, model: Path, args: argparse.Namespace, workdir: Path) -> l
     most = max(args.sizes)
     with PrivateRayHead(num_cpus=most + 1, resources={"eplb_graph_dp": most}) as head, log.open("w") as out:
         env = {**os.environ, **head.client_env, **NO_CACHES, "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY": "TORCHINDUCTOR_",  # Ray copies vLLM's variables only
                "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(rank % os.cpu_count()) for rank in range(most))}
         process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         stream = Stream(port, str(model), args.max_tokens)

@@ -105,6 +105,7 @@ ARG_UTILS = "vllm.engine.arg_utils"
 PARALLEL_STATE = "vllm.distributed.parallel_state"
 STATELESS = "vllm.distributed.stateless_coordinator"
 ELASTIC_EXECUTE = "vllm.distributed.elastic_ep.elastic_execute"
+ENGINE_UTILS = "vllm.v1.engine.utils"
 
 _plugin, _plugin_cpu = When((PLUGIN,)), When((PLUGIN,), HOST)
 _EVERY_IMPORT = "in every vLLM process that imports it; with EPLB off it defers to upstream"
@@ -140,10 +141,6 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
                "'mp' while upstream builds the config of an elastic request that names no executor: with the Ray DP "
                "backend upstream picks Ray's executor, which places workers by a GPU resource CPU has not",
                _gate_elastic, Shape("field")),
-    Adaptation("elastic_gate.scale_elastic_ep", "vllm.v1.engine.async_llm", "AsyncLLM.scale_elastic_ep", "wrap",
-               "a resize below 2 DP ranks or above elastic_ep_max_dp_size is refused before anything starts (vLLM "
-               "answers the ValueError with 400): upstream hangs shrinking to one rank at TP=1", _gate_elastic,
-               _fn("self", "new_data_parallel_size")),
     Adaptation("gate.post_grad_pass", "vllm.config.compilation", "CompilationConfig.inductor_compile_config", "config",
                "puts VllmEplbPass in Inductor's post-grad slot, wrapping a user pass found there", _plugin,
                Shape("field", item="post_grad_custom_post_pass")),
@@ -317,6 +314,20 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
                "on a stateless group upstream takes only nixl / pynccl / torch_nccl, and pynccl refuses host "
                "tensors: host experts with torch_gloo move through GlooStagedCommunicator over the group's gloo "
                "group", _vllm_elastic, _fn("group_coordinator", "backend", "expert_weights", "expert_buffer")),
+    # -- the frontend's bounds on a resize (vllm_plugin/elastic_resize.py)
+    Adaptation("elastic_resize.scale_elastic_ep", "vllm.v1.engine.async_llm", "AsyncLLM.scale_elastic_ep", "wrap",
+               "a resize below 2 DP ranks or above elastic_ep_max_dp_size, or after one failed part-way, is refused "
+               "before anything starts (vLLM answers the ValueError with 400): upstream hangs shrinking to one rank "
+               "at TP=1 and cannot undo a prepared resize", _gate_elastic, _fn("self", "new_data_parallel_size")),
+    Adaptation("elastic_resize.scale_up_engines", ENGINE_UTILS, "CoreEngineActorManager.scale_up_elastic_ep", "wrap",
+               "the new engines are killed if not initialized in EPLB_GRAPH_ELASTIC_START_TIMEOUT_S: upstream waits "
+               "for them without a bound", _gate_elastic,
+               _fn("self", "cur_vllm_config", "new_data_parallel_size", "num_redundant_experts")),
+    *(Adaptation(f"elastic_resize.{name}", ENGINE_UTILS, f"CoreEngineActorManager.{name}", "config",
+                 "what upstream recorded of new engines that failed to start is taken back (each list as before the "
+                 "resize): a later scale-up counts the engines by these lists", _gate_elastic, Shape("instance"))
+      for name in ("local_engine_actors", "remote_engine_actors", "created_placement_groups",
+                   "placement_group_is_local")),
     # -- vLLM's elastic EP scaling steps on CPU (vllm_plugin/elastic_scaling.py)
     Adaptation("elastic_scaling.load_model", ELASTIC_EXECUTE, "ElasticEPScalingExecutor.load_model", "wrap",
                "a new engine loads the checkpoint: the CPU runner refuses dummy weights, and the non-expert transfer "

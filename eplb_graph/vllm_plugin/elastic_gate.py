@@ -8,29 +8,31 @@ TP=1, with asynchronous EPLB over gloo (our staged mover), from DP=2 up to
 EPLB (which the CPU build turns off for that call) and async EPLB without NIXL, so the config is
 built with elastic EP off and the request set on it afterwards (``configure_elastic``). It also
 gives Ray's placement a resource to count engines by on CPU (``RAY_RESOURCE``, which the Ray
-cluster declares), the engine processes the plugin's environment, and picks the ``mp`` executor
-inside each engine (the Ray executor places workers by a GPU key CPU has not).
+cluster declares), the engine processes the plugin's environment, picks the ``mp`` executor
+inside each engine (the Ray executor places workers by a GPU key CPU has not), and turns vLLM's
+compile cache off for them (``bench_vllm_elastic.py`` saw engines die when, after a scale-down back
+to the start size, one engine loaded that size's cached graph and the other failed to and compiled).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Iterator
 
 from eplb_graph.upstream import patches
 from eplb_graph.upstream.adaptations import PLUGIN
 
+from .active_line import vllm_logger
+from .elastic_resize import MIN_DP, ResizeGuard, start_timeout_s
+
 # The Ray resource vLLM's DP placement counts engines by on CPU (one unit per engine at TP=1): the
 # operator's Ray head declares as many as the most engines (``ray start --resources``).
 RAY_RESOURCE = "eplb_graph_dp"
 # Our settings (metrics dir, placement file, the watchdog's bound) reach the engines Ray starts.
 ENV_PREFIX = "EPLB_GRAPH_"
+NO_COMPILE_CACHE = "VLLM_DISABLE_COMPILE_CACHE"
 RAY_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
-# A DP group of one rank has no device communicator to switch to, and vLLM picks its DP client at
-# start for DP > 1 only: the smallest group served, at start and after a resize.
-MIN_DP = 2
 
 
 def elastic_problems(engine_args, *, on_cpu: bool, environ: dict[str, str]) -> list[str]:
@@ -58,6 +60,10 @@ def elastic_problems(engine_args, *, on_cpu: bool, environ: dict[str, str]) -> l
     most = engine_args.elastic_ep_max_dp_size
     if most is not None and most < dp:
         problems.append(f"elastic_ep_max_dp_size={most} below data_parallel_size={dp}")
+    try:
+        start_timeout_s(environ)
+    except ValueError as error:
+        problems.append(f"the new engines' start bound: {error}")
     if environ.get("EPLB_GRAPH_PLACEMENT_FILE"):
         problems.append("EPLB_GRAPH_PLACEMENT_FILE with enable_elastic_ep=True: a kept placement names the slots "
                         "of one group size, which a resize changes")
@@ -87,35 +93,13 @@ def configure_elastic(config, engine_args, environ: dict[str, str] | os._Environ
     most = engine_args.elastic_ep_max_dp_size or parallel.data_parallel_size  # upstream's default
     patches.configure("config.cpu_elastic_ep_max_dp_size", most, on=parallel)
     patches.configure("platform.cpu_ray_device_key", RAY_RESOURCE, on=type(current_platform))
-    install_resize_check()
+    ResizeGuard(start_timeout_s(environ)).install()  # checked at start (elastic_problems)
+    if environ.get(NO_COMPILE_CACHE) != "1":  # read by each engine Ray starts (vLLM copies its variables)
+        environ[NO_COMPILE_CACHE] = "1"
+        vllm_logger().warning("eplb-graph: vLLM's compile cache is off under elastic EP (%s=1): after a resize back to a "
+                       "size it served before, some engines load that size's cached graph and others cannot, and "
+                       "engines running different graphs break each other's collectives", NO_COMPILE_CACHE)
     prefixes = [p for p in environ.get(RAY_PREFIXES, "").split(",") if p.strip()]
     if ENV_PREFIX not in prefixes:  # read by vLLM when it starts each engine actor, in this process
         environ[RAY_PREFIXES] = ",".join([*prefixes, ENV_PREFIX])
 
-
-def resize_problem(parallel_config, new_size: object) -> str | None:
-    """Why a resize to ``new_size`` cannot be served; None where it can."""
-    most = parallel_config.elastic_ep_max_dp_size
-    if isinstance(new_size, bool) or not isinstance(new_size, int) or not MIN_DP <= new_size <= most:
-        return (f"eplb-graph serves elastic EP on CPU from {MIN_DP} to {most} (--elastic-ep-max-dp-size) DP "
-                f"ranks; new_data_parallel_size={new_size!r} is refused, the group is untouched")
-    return None
-
-
-def install_resize_check() -> None:
-    """``AsyncLLM.scale_elastic_ep`` refuses a size the group cannot take before anything starts:
-    vLLM's route answers its ``ValueError`` with 400. Once per process (the frontend's)."""
-    if patches.installed("elastic_gate.scale_elastic_ep"):
-        return
-    upstream = patches.current("elastic_gate.scale_elastic_ep")
-
-    @functools.wraps(upstream)
-    async def scale_elastic_ep(self, new_data_parallel_size, *args, **kwargs):
-        parallel = self.vllm_config.parallel_config
-        if parallel.enable_elastic_ep and parallel.enable_eplb:
-            problem = resize_problem(parallel, new_data_parallel_size)
-            if problem:
-                raise ValueError(problem)
-        return await upstream(self, new_data_parallel_size, *args, **kwargs)
-
-    patches.install("elastic_gate.scale_elastic_ep", scale_elastic_ep, by=PLUGIN)

@@ -16,8 +16,7 @@ pytest.importorskip("vllm")
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 
 from eplb_graph.vllm_plugin.config_gate import EplbConfigError  # noqa: E402
-from eplb_graph.vllm_plugin.elastic_gate import (  # noqa: E402
-    ENV_PREFIX, RAY_PREFIXES, RAY_RESOURCE, elastic_problems, resize_problem)
+from eplb_graph.vllm_plugin.elastic_gate import ENV_PREFIX, RAY_PREFIXES, RAY_RESOURCE, elastic_problems  # noqa: E402
 from eplb_reference.models.tiny_checkpoint import write_tiny_qwen3_moe  # noqa: E402
 
 ELASTIC = dict(enable_expert_parallel=True, enable_eplb=True, enable_elastic_ep=True, elastic_ep_max_dp_size=4,
@@ -53,6 +52,12 @@ def test_what_elastic_ep_cannot_serve_is_refused_by_name_with_the_request_untouc
     assert (args.enable_eplb, args.eplb_config, args.enable_elastic_ep, args.distributed_executor_backend) == before
 
 
+def test_a_start_bound_that_is_not_one_is_refused_at_start(model_dir):
+    problems = elastic_problems(elastic_args(model_dir), on_cpu=True,
+                                environ={"EPLB_GRAPH_ELASTIC_START_TIMEOUT_S": "soon"})
+    assert [p for p in problems if "EPLB_GRAPH_ELASTIC_START_TIMEOUT_S='soon'" in p]
+
+
 def test_a_kept_placement_file_is_refused_with_elastic_ep(model_dir):
     problems = elastic_problems(elastic_args(model_dir), on_cpu=True, environ={"EPLB_GRAPH_PLACEMENT_FILE": "/p.json"})
     assert [p for p in problems if "EPLB_GRAPH_PLACEMENT_FILE" in p]
@@ -77,17 +82,6 @@ def test_an_accepted_request_builds_elastic_async_eplb_on_cpu_with_the_mp_execut
     assert (args.enable_elastic_ep, args.distributed_executor_backend) == (True, None)  # the caller's, as given
     assert type(current_platform).ray_device_key == RAY_RESOURCE
     assert ENV_PREFIX in os.environ[RAY_PREFIXES].split(",")
-
-
-@pytest.mark.parametrize("size", [1, 0, 5, True, "3", 2.5, None])
-def test_a_resize_outside_two_to_the_maximum_is_named(size):
-    problem = resize_problem(SimpleNamespace(elastic_ep_max_dp_size=4), size)
-    assert problem is not None and "from 2 to 4" in problem and repr(size) in problem
-
-
-@pytest.mark.parametrize("size", [2, 3, 4])
-def test_a_resize_within_the_range_is_served(size):
-    assert resize_problem(SimpleNamespace(elastic_ep_max_dp_size=4), size) is None
 
 
 def test_the_frontend_refuses_a_bad_size_before_upstream_runs(model_dir):

@@ -5,14 +5,18 @@ server gives (a request refused during the switch is retried); EPLB moves expert
 engine (its bytes received on ``/metrics``) and keeps rearranging after each resize; sizes the
 group cannot take are answered 400 at once and serving goes on.
 
+A scale-up whose new engine never starts is answered with an error after the start bound
+(``EPLB_GRAPH_ELASTIC_START_TIMEOUT_S``; upstream would wait for it for good), the group serves on
+at its old size, and a later resize is refused naming the failure.
+
 Not proven here: that compiled graphs survive a resize (upstream's switch resets them on CPU,
 and this test counts the recompiles it causes rather than asserting none), DP 2 -> 4 (four
-engines beside the reference server do not fit this machine's two cores in the test's time), a
-scale-up whose new engine never starts (upstream then waits for it without a bound: #65's note)."""
+engines beside the reference server do not fit this machine's two cores in the test's time)."""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -38,6 +42,17 @@ PROMPTS = ["The quick brown fox", "Mixture of experts", "hello world", "graph mo
 MAX_TOKENS = 6
 RESIZE_TIMEOUT_S = 420
 RETRYABLE = (503,)  # vLLM's answer while the engines switch groups
+
+
+# Python runs ``sitecustomize`` in every process it starts (Ray's workers: the head's environment puts
+# this directory first on their path). While the marker file exists, an engine vLLM launches for a
+# scale-up (``VLLM_ELASTIC_EP_SCALE_UP_LAUNCH``) dies at start, every time Ray starts it again.
+FAILING_NEW_ENGINES = """
+import os
+if os.environ.get("VLLM_ELASTIC_EP_SCALE_UP_LAUNCH") == "1" and os.path.exists({marker!r}):
+    os._exit(17)
+"""
+START_TIMEOUT_S = 150  # a new engine here starts (loads, compiles) well within it
 
 
 def post(port: str, path: str, body: object, timeout: float) -> tuple[int, str]:
@@ -100,16 +115,22 @@ def elastic(tmp_path_factory):
     off_command = quickstart_blocks(SECTION, "bash")[0]  # the server (a curl follows)
     _head_command, server_command, _resize = quickstart_blocks(ELASTIC_SECTION, "bash")
     off_port, port = free_ports(2)
-    with PrivateRayHead(num_cpus=5, resources={"eplb_graph_dp": 4}) as head:
+    site, marker = workdir / "site", workdir / "fail-new-engines"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAILING_NEW_ENGINES.format(marker=str(marker)))
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    with PrivateRayHead(num_cpus=5, resources={"eplb_graph_dp": 4}, env={"PYTHONPATH": path}) as head:
         off = start_server(off_command, model_dir, workdir / "off.log", off_port, eplb=False)
         server = start_server(server_command, model_dir, workdir / "elastic.log", port, eplb=True,
-                              env_extra=head.client_env)  # the private head's address over the quickstart's
+                              env_extra={**head.client_env,  # the private head's address over the quickstart's
+                                         "EPLB_GRAPH_ELASTIC_START_TIMEOUT_S": str(START_TIMEOUT_S)})
         try:
             wait_until_ready(off)
             reference = {prompt: text(completion(off, model_dir, prompt, MAX_TOKENS)) for prompt in PROMPTS}
             stop(off)
             wait_until_ready(server)
-            yield SimpleNamespace(server=server, model_dir=model_dir, reference=reference, port=server.port)
+            yield SimpleNamespace(server=server, model_dir=model_dir, reference=reference, port=server.port,
+                                  fail_new_engines=marker)
         finally:
             stop(off)
             stop(server)
@@ -156,3 +177,17 @@ def test_a_size_the_group_cannot_take_is_refused_at_once_and_serving_goes_on(ela
     prompt = PROMPTS[0]
     assert text(completion(elastic.server, elastic.model_dir, prompt, MAX_TOKENS)) == elastic.reference[prompt]
 
+
+
+def test_a_scale_up_whose_new_engine_never_starts_fails_in_bound_and_the_group_serves_on(elastic):
+    """Last: after it, the server refuses every resize (upstream cannot undo a prepared one)."""
+    elastic.fail_new_engines.touch()
+    try:
+        status, answer = post(elastic.port, "/scale_elastic_ep", {"new_data_parallel_size": 3}, 4 * START_TIMEOUT_S)
+    finally:
+        elastic.fail_new_engines.unlink()
+    assert status == 500, (status, answer)  # vLLM's answer to a failed resize, after our bound
+    for prompt in PROMPTS[:3]:
+        assert text(completion(elastic.server, elastic.model_dir, prompt, MAX_TOKENS)) == elastic.reference[prompt]
+    status, answer = post(elastic.port, "/scale_elastic_ep", {"new_data_parallel_size": 3}, 60)
+    assert status == 400 and "a resize failed part-way" in answer and "restart it" in answer, (status, answer)
