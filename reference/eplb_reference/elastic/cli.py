@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from eplb_graph.tools.cli import output_dir
@@ -44,6 +45,11 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-ranks", type=int, default=None, help="the largest EP size (default: --ranks)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="a file (mode 600) holding the key every route but /health and /metrics needs "
+                            "(Authorization: Bearer KEY); or set EPLB_GRAPH_API_KEY")
+    serve.add_argument("--max-concurrency", type=int, default=64, metavar="N",
+                       help="requests that generate or resize at once; one more is answered 503")
     serve.add_argument("--store-port", type=int, default=0,
                        help="the coordinator's TCP store port, for `eplb-graph join` (default: any free port, logged)")
     add_elastic_arguments(serve)
@@ -123,6 +129,11 @@ def serve_command(args: argparse.Namespace) -> int:
     from eplb_reference.elastic.http import serve
     from eplb_reference.elastic.server import ElasticServer
 
+    from eplb_reference.elastic.http_access import load_api_key
+
+    api_key = load_api_key(args.api_key_file, os.environ)  # an ApiKeyError (a ValueError) before anything starts
+    if args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be at least 1, not {args.max_concurrency}")
     config = run_config(args, steps=1)
     _check(config, args, "serve")
     max_ranks = config.ranks if args.max_ranks is None else args.max_ranks
@@ -132,7 +143,7 @@ def serve_command(args: argparse.Namespace) -> int:
     print(f"eplb-graph serve: {config.ranks} EP ranks (up to {max_ranks}) on http://{args.host}:{args.port}; "
           f"members join with `eplb-graph join --store {server.spec.store_host}:{server.spec.store_port}`",
           file=sys.stderr)
-    serve(server, args.host, args.port)
+    serve(server, args.host, args.port, api_key=api_key, max_concurrency=args.max_concurrency)
     return 0
 
 

@@ -13,6 +13,8 @@ Endpoints are plain functions (FastAPI runs them on its thread pool): every call
 the server, never on the event loop. A body over ``MAX_BODY_BYTES`` is answered 413 before it is
 read whole (``BodyLimit``); ``drain_timeout`` is a finite number of seconds in
 (0, ``MAX_DRAIN_TIMEOUT_S``]; ``/health`` names an error's type and first line, never a traceback.
+With an API key, every route but ``/health`` and ``/metrics`` needs it; requests that generate or
+resize are bounded in number (``http_access.py``).
 """
 
 # no `from __future__ import annotations`: FastAPI reads the endpoints' annotations at run time
@@ -20,8 +22,8 @@ import json
 import math
 from typing import Any
 
-ERROR_TYPES = {400: "BadRequestError", 408: "RequestTimeout", 409: "Conflict", 413: "PayloadTooLarge",
-               500: "InternalServerError"}
+from eplb_reference.elastic.http_access import DEFAULT_CONCURRENCY, ApiKey, ConcurrencyLimit, error_body
+
 # The largest request body read. The biggest legitimate one is a completion's prompt: at most the
 # server's tokens per request as ids or words (a few KiB); 1 MiB leaves room for any client's extra
 # fields while one request can no longer make this process (which also hosts the group's store)
@@ -106,11 +108,6 @@ def health_error(error: BaseException) -> str:
     return described[:HEALTH_ERROR_CHARS]
 
 
-def error_body(status: int, message: str) -> dict:
-    """vLLM's error response shape."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"), "param": None, "code": status}}
-
-
 def metrics_text(server) -> str:
     """The server's counters in Prometheus text format, from a registry of its own."""
     from prometheus_client import CollectorRegistry, Gauge, generate_latest
@@ -145,7 +142,7 @@ def metrics_text(server) -> str:
     return generate_latest(registry).decode()
 
 
-def make_app(server) -> Any:
+def make_app(server, *, api_key: str | None = None, max_concurrency: int = DEFAULT_CONCURRENCY) -> Any:
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
@@ -154,6 +151,9 @@ def make_app(server) -> Any:
 
     app = FastAPI(title="eplb-graph elastic EP reference server")
     app.add_middleware(BodyLimit)
+    app.add_middleware(ConcurrencyLimit, limit=max_concurrency)
+    if api_key is not None:  # outermost: a request without the key is refused before anything else
+        app.add_middleware(ApiKey, key=api_key)
     text = completions.TinyText(server.cfg.vocab_size)
 
     @app.post("/v1/generate")
@@ -189,14 +189,15 @@ def make_app(server) -> Any:
     def models() -> Any:
         return completions.models_body()
 
+    # /health and /metrics are async: on the event loop, answered while held requests take the threads
     @app.get("/health")
-    def health() -> Any:
+    async def health() -> Any:
         if server.error is not None:
             return JSONResponse({"status": "error", "error": health_error(server.error)}, status_code=500)
         return {"status": "ok", "ranks": server.ranks}
 
     @app.get("/metrics")
-    def metrics() -> Any:
+    async def metrics() -> Any:
         return PlainTextResponse(metrics_text(server))
 
     @app.post("/scale_elastic_ep")
@@ -229,12 +230,14 @@ def make_app(server) -> Any:
     return app
 
 
-def serve(server, host: str, port: int) -> None:
+def serve(server, host: str, port: int, *, api_key: str | None = None,
+          max_concurrency: int = DEFAULT_CONCURRENCY) -> None:
     """Runs until interrupted; the members are stopped either way."""
     import uvicorn
 
     server.start()
     try:
-        uvicorn.run(make_app(server), host=host, port=port, log_level="warning")
+        uvicorn.run(make_app(server, api_key=api_key, max_concurrency=max_concurrency), host=host, port=port,
+                    log_level="warning")
     finally:
         server.shutdown()

@@ -175,11 +175,15 @@ def test_a_body_declared_over_the_limit_is_a_413_before_it_is_read(client, serve
 
 @pytest.fixture
 def live(server):
+    yield from live_app(make_app(server))
+
+
+def live_app(app):
     """The app on a real (uvicorn) HTTP server in a thread of this process, on a loopback port."""
     import uvicorn
 
     listening = socket.create_server(("127.0.0.1", 0))
-    http = uvicorn.Server(uvicorn.Config(make_app(server), log_level="warning"))
+    http = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=http.run, kwargs={"sockets": [listening]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -266,3 +270,82 @@ def test_a_completion_the_server_cannot_serve_is_refused_before_it_is_queued(cli
     response = client.post("/v1/completions", json=body)
     assert response.status_code == status and message in response.json()["error"]["message"]
     assert server.submitted == []
+
+
+KEY = "k3y-of-the-operator-0123456789"
+
+
+def test_with_an_api_key_every_route_but_health_and_metrics_needs_it(server):
+    client = TestClient(make_app(server, api_key=KEY))
+    for method, path, body in (("post", "/scale_elastic_ep", {"new_data_parallel_size": 3}),
+                               ("post", "/v1/completions", {"prompt": "w5", "max_tokens": 1, "temperature": 0}),
+                               ("post", "/v1/generate", {"prompt_token_ids": [5]}), ("get", "/v1/models", None),
+                               ("post", "/is_scaling_elastic_ep", None)):
+        for headers in ({}, {"Authorization": "Bearer wrong-key-0123456789"}, {"Authorization": KEY}):
+            answer = client.request(method.upper(), path, json=body, headers=headers)
+            assert answer.status_code == 401 and answer.headers["www-authenticate"] == "Bearer", (path, headers)
+            assert answer.json()["error"]["type"] == "Unauthorized"
+    assert server.scaled == [] and server.submitted == []
+    assert client.get("/health").json() == {"status": "ok", "ranks": 2}
+    assert "vllm:num_requests_running" in client.get("/metrics").text
+    authorized = {"Authorization": f"Bearer {KEY}"}
+    assert client.post("/scale_elastic_ep", json={"new_data_parallel_size": 3}, headers=authorized).status_code == 200
+    assert server.scaled == [(3, None)]
+
+
+def test_the_key_is_read_from_a_private_file_or_the_environment_and_a_bad_one_is_named(tmp_path):
+    from eplb_reference.elastic.http_access import API_KEY_ENV, ApiKeyError, load_api_key
+
+    assert load_api_key(None, {}) is None
+    assert load_api_key(None, {API_KEY_ENV: KEY}) == KEY
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    assert load_api_key(str(key_file), {API_KEY_ENV: "ignored-when-a-file-is-given"}) == KEY
+    key_file.chmod(0o644)
+    with pytest.raises(ApiKeyError, match="closed to others"):
+        load_api_key(str(key_file), {})
+    with pytest.raises(ApiKeyError, match="cannot be read"):
+        load_api_key(str(tmp_path / "absent"), {})
+    with pytest.raises(ApiKeyError, match="at least 16 printable characters"):
+        load_api_key(None, {API_KEY_ENV: "short"})
+
+
+def test_requests_over_the_concurrency_limit_are_a_503_while_health_and_metrics_answer(server):
+    import httpx
+
+    release, entered = threading.Event(), threading.Semaphore(0)
+    held_result = server.result
+
+    def held(rid):  # a completion held as in a drain: it keeps a worker thread until released
+        entered.release()
+        release.wait(30)
+        return held_result(rid)
+
+    server.result = held
+    live = live_app(make_app(server, max_concurrency=2))
+    port = next(live)
+    answers = []
+
+    def complete():
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            answers.append(client.post("/v1/completions", json={"prompt": "w5", "max_tokens": 1, "temperature": 0}).status_code)
+
+    workers = [threading.Thread(target=complete) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    try:
+        assert entered.acquire(timeout=30) and entered.acquire(timeout=30)  # both held in the server
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            over = client.post("/v1/completions", json={"prompt": "w5", "max_tokens": 1, "temperature": 0})
+            assert over.status_code == 503 and over.json()["error"]["type"] == "ServiceUnavailable"
+            assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+    finally:
+        release.set()
+        for worker in workers:
+            worker.join(30)
+    assert answers == [200, 200]
+    server.result = held_result
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        assert client.post("/v1/completions", json={"prompt": "w5", "max_tokens": 1, "temperature": 0}).status_code == 200
+    next(live, None)  # stops the server
