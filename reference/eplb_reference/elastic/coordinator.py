@@ -142,11 +142,12 @@ class Coordinator:
         events, now = Events(), time.monotonic() if now is None else now
         for offer in self.board.offers():  # warm, from outside the process tree
             member = offer["member"]
-            self.processes.adopt(member, offer["host"], offer["pid"])
+            self.processes.adopt(member)  # its offer's host and pid are only its word: logged, never acted on
             self.roles[member] = "spare"
             self.spares.append(member)
             self.detector.watch(member, now)
-            log.info("spare member %d offered itself from outside", member)
+            log.info("spare member %d offered itself from outside (says pid %s on %s)", member, offer.get("pid"),
+                     offer.get("host"))
         lost = self._collect(now) + self._hung(now)
         events.lost.extend(lost)
         for fault in lost:

@@ -4,7 +4,8 @@ Every member, wherever it runs, reports through the run's store (``Board.report`
 ``MemberResult``, ``abandoned_join`` where it left without serving, or ``error`` with its
 traceback. The coordinator's own children are also watched as processes (an exit with no
 report is a death) and can be killed; a member started elsewhere (``eplb-graph join``) is
-known only by its keep-alive, and a fence reaches it through the store.
+known only by its keep-alive, and a fence reaches it through the store: the coordinator never
+signals a process it did not start, whatever pid a member's offer names.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import faulthandler
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -80,12 +80,13 @@ class MemberProcesses:
         self.spec = spec
         self.ctx = process_context()
         self.children: dict[int, BaseProcess] = {}
-        self.outside: dict[int, int] = {}  # members offered from outside, on this host: member -> pid
+        # members that offered themselves from outside: never signalled (the pid an offer names is
+        # only its word, and could be any process), fenced through the store alone
+        self.outside: set[int] = set()
 
-    def adopt(self, member: int, host: str, pid: int) -> None:
-        """A member that offered itself from outside; one on this host can be killed by its pid."""
-        if host == socket.gethostname():
-            self.outside[member] = pid
+    def adopt(self, member: int) -> None:
+        """A member that offered itself from outside (``eplb-graph join``)."""
+        self.outside.add(member)
 
     def start(self, member: int, first_generation: int | None) -> None:
         if not self.children:  # before the first member: the fork server's imports, once, bounded
@@ -105,22 +106,24 @@ class MemberProcesses:
         return None if process is None else process.exitcode
 
     def kill(self, member: int) -> bool:
-        """SIGKILL (a stopped process too); False for a member this host cannot reach."""
+        """SIGKILL one of our children (a stopped one too); False for any other member, which its
+        fence in the store makes exit at its next beat (``liveness.py``)."""
         process = self.children.get(member)
-        if process is not None:
-            if process.is_alive():
-                process.kill()
-            return True
-        if member in self.outside:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.outside.pop(member), signal.SIGKILL)
-            return True
-        return False
+        if process is None:
+            return False
+        if process.is_alive():
+            process.kill()
+        return True
 
-    def signal(self, member: int, signum: int) -> None:
-        """A member that has exited (and was reaped) takes no signal: its death is detected as any other."""
+    def signal(self, member: int, signum: int) -> bool:
+        """A signal to one of our children; False for any other member (never signalled). A child
+        that has exited (and was reaped) takes none: its death is detected as any other."""
+        process = self.children.get(member)
+        if process is None:
+            return False
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.children[member].pid if member in self.children else self.outside[member], signum)
+            os.kill(process.pid, signum)
+        return True
 
     def stop_all(self, grace_s: float) -> None:
         """Every child that has not exited by ``grace_s`` (in all) is killed."""

@@ -34,7 +34,7 @@ class StandInProcesses:
         self.exited_codes.setdefault(member, -9)
         return True
 
-    def adopt(self, member, host, pid):
+    def adopt(self, member):
         pass
 
     def stop_all(self, grace_s):
