@@ -51,6 +51,7 @@ class ServerStats:
     recoveries: int = 0  # members recovered from
     member_failures: int = 0  # members that ended with an error (recovered from like a death)
     members_fenced: int = 0  # members found hung
+    store_values_dropped: int = 0  # malformed store values the coordinator dropped, never acted on (Board.skipped)
 
 
 class ElasticServer:
@@ -256,6 +257,7 @@ class ElasticServer:
                     self._apply(self.coordinator.tick())
                     self._take_results()
                     self._take_handed_back()
+                    self.stats.store_values_dropped = sum(self.coordinator.board.skipped.values())
                     if self.coordinator.failures:  # a loss the group cannot recover from
                         raise RuntimeError(f"the EP group cannot keep serving: {self.coordinator.failures}")
                 time.sleep(TICK_S)

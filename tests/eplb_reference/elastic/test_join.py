@@ -28,6 +28,15 @@ def test_a_member_joined_from_outside_serves_after_a_resize_and_is_fenced_like_a
         assert server.scale(3) == "Scaled to 3 data parallel engines" and member in server.coordinator.members
         answers = [server.generate([5 + i, 6], 3) for i in range(6)]  # round robin: some on the outside member
         assert all(a["matches_reference"] for a in answers) and member in {a["member"] for a in answers}
+        # malformed values in the queues the server's watch thread reads: dropped, counted, serving goes on
+        board = server.coordinator.board.clone()
+        board.store.queue_push(board.key("run", None, "results"), '{"rid": "x"}')
+        board.store.queue_push(board.key("run", None, "offers"), "not json")
+        deadline = time.monotonic() + 60
+        while server.stats.store_values_dropped < 2:
+            assert time.monotonic() < deadline and server.error is None
+            time.sleep(0.1)
+        assert server.generate([9, 10], 2)["matches_reference"] and server.error is None
         assert server.coordinator.processes.kill(member) is False  # never signalled by the coordinator
         outside.kill()  # its death, by the test that started it: detected as any member's
         deadline = time.monotonic() + 120

@@ -1,15 +1,24 @@
-"""``Board``: one client of the run's store, the only code that spells a key (the table: ``__init__``)."""
+"""``Board``: one client of the run's store, the only code that spells a key (the table: ``__init__``).
+
+What peers write is checked before anyone acts on it (``values.py``'s decoders): a malformed queued
+value, report, hand-back, keep-alive or figure is logged, counted in ``Board.skipped`` and dropped,
+never raised into the loop that read it."""
 
 from __future__ import annotations
 
 import json
+import logging
+from collections import Counter
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from eplb_reference.elastic.protocol.values import (
-    Abandoned, Generation, KeepAlive, Outcome, Release, Switched, decode_outcome, encode_outcome,
+    Abandoned, Generation, KeepAlive, MalformedValue, Outcome, Release, Switched, decode_offer, decode_outcome,
+    decode_report, decode_request, decode_result, decode_rids, encode_outcome,
 )
+
+log = logging.getLogger("eplb_graph.elastic")
 
 
 class ProtocolTimeout(RuntimeError):
@@ -25,6 +34,7 @@ class Board:
 
     def __init__(self, store: dist.Store, run: str) -> None:
         self.store, self.run = store, run
+        self.skipped: Counter[str] = Counter()  # malformed queued values dropped, by queue: never acted on
 
     def clone(self) -> Board:
         return Board(self.store.clone(), self.run)
@@ -70,6 +80,28 @@ class Board:
             except dist.QueueEmptyError:
                 break
         return entries
+
+    def _take_checked(self, key: str, decode, what: str):
+        text = self._take(key)
+        if text is None:
+            return None
+        try:
+            return decode(text)
+        except MalformedValue as error:
+            self.skipped[what] += 1
+            log.warning("a malformed %s in the store was dropped (%s): %.120r", what, error, text)
+            return None
+
+    def _pop_checked(self, key: str, decode, queue: str) -> list[dict]:
+        """The entries of a queue that decode; one that does not is logged, counted and dropped."""
+        values = []
+        for text in self._pop_all(key):
+            try:
+                values.append(decode(text))
+            except MalformedValue as error:
+                self.skipped[queue] += 1
+                log.warning("a malformed %s in the store was dropped (%s): %.120r", queue, error, text)
+        return values
 
     def delete(self, *keys: str) -> None:
         for key in keys:
@@ -169,8 +201,16 @@ class Board:
         self.store.set(self._member(member, "alive"), alive.encode())
 
     def keep_alive(self, member: int) -> KeepAlive | None:
+        """The member's last beat; a malformed one reads as none (counted), as if it never beat."""
         value = self._get(self._member(member, "alive"))
-        return None if value is None else KeepAlive.decode(value)
+        if value is None:
+            return None
+        try:
+            return KeepAlive.decode(value)
+        except (ValueError, TypeError, KeyError) as error:
+            self.skipped["keep-alive"] += 1
+            log.warning("a malformed keep-alive of member %d was ignored (%s)", member, error)
+            return None
 
     def fence(self, member: int, why: str) -> None:
         self.store.set(self._member(member, "fence"), why)
@@ -182,8 +222,8 @@ class Board:
         self.store.set(self._member(member, "report"), json.dumps(result))
 
     def take_report(self, member: int) -> dict | None:
-        value = self._take(self._member(member, "report"))
-        return None if value is None else json.loads(value)
+        """A member's report; a malformed one is dropped (counted) and reads as none."""
+        return self._take_checked(self._member(member, "report"), decode_report, "report")
 
     def forget_member(self, member: int) -> None:
         """A member gone for good: its keys, and what its inbox still held (its fence stays, for a
@@ -197,7 +237,7 @@ class Board:
         self.store.queue_push(self._run("offers"), json.dumps({"member": member, "host": host, "pid": pid}))
 
     def offers(self) -> list[dict]:
-        return [json.loads(text) for text in self._pop_all(self._run("offers"))]
+        return self._pop_checked(self._run("offers"), decode_offer, "offer")
 
     # -- work ---------------------------------------------------------------------------------
 
@@ -213,20 +253,19 @@ class Board:
         self.store.queue_push(self._member(member, "inbox"), json.dumps(request))
 
     def pop_requests(self, member: int) -> list[dict]:
-        return [json.loads(text) for text in self._pop_all(self._member(member, "inbox"))]
+        return self._pop_checked(self._member(member, "inbox"), decode_request, "request")
 
     def hand_back(self, member: int, rids: list[int]) -> None:
         self.store.set(self._member(member, "returned"), json.dumps(rids))
 
     def take_handed_back(self, member: int) -> list[int] | None:
-        value = self._take(self._member(member, "returned"))
-        return None if value is None else json.loads(value)
+        return self._take_checked(self._member(member, "returned"), decode_rids, "hand-back")
 
     def push_result(self, result: dict) -> None:
         self.store.queue_push(self._run("results"), json.dumps(result))
 
     def pop_results(self) -> list[dict]:
-        return [json.loads(text) for text in self._pop_all(self._run("results"))]
+        return self._pop_checked(self._run("results"), decode_result, "result")
 
     # -- what rank 0 publishes, and the run's life --------------------------------------------
 
@@ -235,11 +274,20 @@ class Board:
         if step_ms is not None:
             self.store.set(self._run("step_ms"), f"{step_ms:.3f}")
 
+    def _number(self, field: str, kind: type, default: float) -> float:
+        """A published figure; a malformed one reads as ``default`` (counted), never an error."""
+        text = self._get(self._run(field))
+        try:
+            return kind(text) if text is not None else default
+        except ValueError:
+            self.skipped[field] += 1
+            return default
+
     def step(self) -> int:
-        return int(self._get(self._run("step")) or 0)
+        return self._number("step", int, 0)
 
     def step_ms(self) -> float:
-        return float(self._get(self._run("step_ms")) or "nan")
+        return self._number("step_ms", float, float("nan"))
 
     def count_rearrangement(self, balancedness: float) -> None:
         self.store.add(self._run("rearrangements"), 1)
@@ -249,7 +297,7 @@ class Board:
         return self.store.add(self._run("rearrangements"), 0)
 
     def balancedness(self) -> float:
-        return float(self._get(self._run("balancedness")) or "nan")
+        return self._number("balancedness", float, float("nan"))
 
     def stop(self) -> None:
         self.store.set(self._run("stop"), "1")

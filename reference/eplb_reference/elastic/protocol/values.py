@@ -85,3 +85,76 @@ class KeepAlive:
     def decode(text: str | bytes) -> KeepAlive:
         fields = json.loads(text)
         return KeepAlive(**{**fields, "phase": Phase(fields["phase"])})
+
+
+# -- the queued JSON values: each checked field by field before anyone acts on it ----------------
+
+
+class MalformedValue(ValueError):
+    """A store value that is not what its key holds (a fault, or a peer that is not ours)."""
+
+
+def _int(value: object, name: str, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise MalformedValue(f"{name} must be an integer >= {low}, not {value!r}")
+    return value
+
+
+def _token_ids(value: object, name: str) -> list[int]:
+    if not isinstance(value, list) or not value and name == "prompt_token_ids":
+        raise MalformedValue(f"{name} must be a list of token ids")
+    return [_int(token, name) for token in value]
+
+
+def _fields(text: str, names: tuple[str, ...]) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise MalformedValue(f"not JSON: {error}") from None
+    if not isinstance(value, dict) or set(value) != set(names):
+        raise MalformedValue(f"an object with exactly {', '.join(names)}")
+    return value
+
+
+def decode_offer(text: str) -> dict:
+    value = _fields(text, ("member", "host", "pid"))
+    if not isinstance(value["host"], str):
+        raise MalformedValue("host must be a string")
+    return {"member": _int(value["member"], "member"), "host": value["host"], "pid": _int(value["pid"], "pid")}
+
+
+def decode_result(text: str) -> dict:
+    value = _fields(text, ("rid", "token_ids", "matches_reference", "member"))
+    if not isinstance(value["matches_reference"], bool):
+        raise MalformedValue("matches_reference must be a bool")
+    return {"rid": _int(value["rid"], "rid"), "token_ids": _token_ids(value["token_ids"], "token_ids"),
+            "matches_reference": value["matches_reference"], "member": _int(value["member"], "member")}
+
+
+def decode_request(text: str) -> dict:
+    value = _fields(text, ("rid", "prompt_token_ids", "max_new_tokens"))
+    return {"rid": _int(value["rid"], "rid"), "prompt_token_ids": _token_ids(value["prompt_token_ids"],
+                                                                             "prompt_token_ids"),
+            "max_new_tokens": _int(value["max_new_tokens"], "max_new_tokens", 1)}
+
+
+def decode_report(text: str) -> dict:
+    """A member's last word: an object whose ``error``, where there is one, is a string (its other
+    fields are its ``MemberResult``, read by the report)."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise MalformedValue(f"not JSON: {error}") from None
+    if not isinstance(value, dict) or not isinstance(value.get("error", ""), str):
+        raise MalformedValue("an object, its error (if any) a string")
+    return value
+
+
+def decode_rids(text: str) -> list[int]:
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise MalformedValue(f"not JSON: {error}") from None
+    if not isinstance(value, list):
+        raise MalformedValue("a list of request ids")
+    return [_int(rid, "rid") for rid in value]

@@ -1,6 +1,8 @@
 """``runtime/elastic/protocol/board.py``: one key format, typed values, the commit point's
 compare-and-set, queues as inboxes, and a store that stays bounded."""
 
+import json
+import math
 import threading
 
 import pytest
@@ -63,22 +65,56 @@ def test_a_spare_reads_its_assignment_or_stop(board):
     assert board.assignment(5) == STOP
 
 
+def request(rid: int) -> dict:
+    return {"rid": rid, "prompt_token_ids": [1, 2], "max_new_tokens": 3}
+
+
+def result(rid: int) -> dict:
+    return {"rid": rid, "token_ids": [5], "matches_reference": True, "member": 0}
+
+
 def test_an_inbox_is_a_queue_popped_once(board):
     for rid in range(3):
-        board.push_request(2, {"rid": rid})
+        board.push_request(2, request(rid))
     assert [r["rid"] for r in board.pop_requests(2)] == [0, 1, 2]
     assert board.pop_requests(2) == [] and board.store.queue_len(board.key("member", 2, "inbox")) == 0
-    board.push_result({"rid": 9})
-    assert board.pop_results() == [{"rid": 9}] and board.pop_results() == []
+    board.push_result(result(9))
+    assert board.pop_results() == [result(9)] and board.pop_results() == []
+
+
+@pytest.mark.parametrize("queue", ["result", "request", "offer"])
+def test_a_malformed_queued_value_is_dropped_and_counted_and_the_good_ones_pass(board, queue):
+    key = {"result": board.key("run", None, "results"), "request": board.key("member", 1, "inbox"),
+           "offer": board.key("run", None, "offers")}[queue]
+    pop = {"result": board.pop_results, "request": lambda: board.pop_requests(1), "offer": board.offers}[queue]
+    good = {"result": result(3), "request": request(3), "offer": {"member": 7, "host": "h", "pid": 12}}[queue]
+    bad = ["not json", "[1, 2]", json.dumps({**good, "rid": "x"} if "rid" in good else {**good, "pid": -1}),
+           json.dumps({**good, "extra": 1}), json.dumps({k: v for k, v in list(good.items())[1:]})]
+    for text in bad[:2]:
+        board.store.queue_push(key, text)
+    board.store.queue_push(key, json.dumps(good))
+    for text in bad[2:]:
+        board.store.queue_push(key, text)
+    assert pop() == [good] and board.skipped == {queue: len(bad)}
+
+
+def test_a_malformed_report_or_hand_back_reads_as_none_and_is_counted(board):
+    board.store.set(board.key("member", 4, "report"), "{not json")
+    board.store.set(board.key("member", 4, "returned"), json.dumps(["a"]))
+    assert board.take_report(4) is None and board.take_handed_back(4) is None
+    assert board.skipped == {"report": 1, "hand-back": 1}
+    board.report(4, {"error": "boom"})
+    board.hand_back(4, [1, 2])
+    assert board.take_report(4) == {"error": "boom"} and board.take_handed_back(4) == [1, 2]
 
 
 def test_the_store_holds_the_same_keys_after_a_thousand_requests(board):
     board.publish_step(1)
     before = board.size()
     for rid in range(1000):
-        board.push_request(rid % 4, {"rid": rid, "prompt_token_ids": [1, 2], "max_new_tokens": 3})
+        board.push_request(rid % 4, request(rid))
         board.pop_requests(rid % 4)
-        board.push_result({"rid": rid, "token_ids": [5]})
+        board.push_result(result(rid))
         board.pop_results()
         board.publish_step(rid + 2, 1.5)
     assert board.size() == before + 1  # the step's latency, written once
@@ -113,3 +149,11 @@ def test_member_ids_are_shared_with_members_joining_from_outside(board):
     assert [board.new_member_id(), board.clone().new_member_id()] == [2, 3]
     board.offer(4, "host-a", 123)
     assert board.offers() == [{"member": 4, "host": "host-a", "pid": 123}] and board.offers() == []
+
+
+def test_a_malformed_keep_alive_or_figure_reads_as_none_or_the_default_and_is_counted(board):
+    board.store.set(board.key("member", 2, "alive"), '{"beat": "x"}')
+    board.store.set(board.key("run", None, "step"), "many")
+    board.store.set(board.key("run", None, "step_ms"), "[]")
+    assert board.keep_alive(2) is None and board.step() == 0 and math.isnan(board.step_ms())
+    assert board.skipped == {"keep-alive": 1, "step": 1, "step_ms": 1}
