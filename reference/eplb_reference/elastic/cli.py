@@ -43,7 +43,10 @@ def add_scale_plan_arguments(run: argparse.ArgumentParser) -> None:
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-ranks", type=int, default=None, help="the largest EP size (default: --ranks)")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1", help="the HTTP API's address")
+    serve.add_argument("--store-host", default="127.0.0.1",
+                       help="the address the coordinator's store listens on, for members (`join --store`) on "
+                            "other machines: it steers the group, keep it on a network only they reach")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key-file", default=None, metavar="PATH",
                        help="a file (mode 600) holding the key every route but /health and /metrics needs "
@@ -139,7 +142,7 @@ def serve_command(args: argparse.Namespace) -> int:
     max_ranks = config.ranks if args.max_ranks is None else args.max_ranks
     log_to_stderr()
     server = ElasticServer(config, max_ranks, deadline_s=args.resize_deadline, hang_s=args.hang_timeout,
-                           store_port=args.store_port)
+                           host=args.store_host, store_port=args.store_port)
     print(f"eplb-graph serve: {config.ranks} EP ranks (up to {max_ranks}) on http://{args.host}:{args.port}; "
           f"members join with `eplb-graph join --store {server.spec.store_host}:{server.spec.store_port}`",
           file=sys.stderr)

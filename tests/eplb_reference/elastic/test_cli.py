@@ -21,6 +21,7 @@ def test_the_elastic_flags_parse_with_their_defaults():
     assert (args.chaos, args.faults) == (7, 24)
     args = parser.parse_args(["serve", "--port", "9000", "--store-port", "29500"])
     assert (args.host, args.port, args.store_port, args.max_ranks, args.mode) == ("127.0.0.1", 9000, 29500, None, "eager")
+    assert (args.store_host, args.api_key_file, args.max_concurrency) == ("127.0.0.1", None, 64)
     args = parser.parse_args(["join", "--store", "10.0.0.5:29500"])
     assert (args.store, args.name) == ("10.0.0.5:29500", "ep")
 
@@ -28,6 +29,8 @@ def test_the_elastic_flags_parse_with_their_defaults():
 @pytest.mark.parametrize("overrides, message", [
     (["--device", "npu"], "the NPU runtime needs torch_npu"), (["--policy-process"], "serve runs on the host"),
     (["--hang-timeout", "-1"], "--hang-timeout must be > 0 seconds, got -1.0"),
+    (["--max-concurrency", "0"], "--max-concurrency must be at least 1"),
+    (["--api-key-file", "/nonexistent/key"], "the API key file /nonexistent/key cannot be read"),
 ])
 def test_what_the_server_cannot_take_is_refused_before_it_starts(overrides, message, capsys, monkeypatch):
     from eplb_reference.cli import main
