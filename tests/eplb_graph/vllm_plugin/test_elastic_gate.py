@@ -24,6 +24,12 @@ ELASTIC = dict(enable_expert_parallel=True, enable_eplb=True, enable_elastic_ep=
                eplb_config={"window_size": 4, "step_interval": 8, "num_redundant_experts": 2})
 
 
+@pytest.fixture(autouse=True)
+def own_environment(monkeypatch):
+    """The gate writes the engines' environment (Ray's prefixes, the compile cache): into a copy here."""
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(write_tiny_qwen3_moe(tmp_path_factory.mktemp("qwen3moe")))
@@ -71,8 +77,8 @@ def test_elastic_ep_off_cpu_is_refused_by_name(model_dir):
 def test_an_accepted_request_builds_elastic_async_eplb_on_cpu_with_the_mp_executor(model_dir, monkeypatch):
     from vllm.platforms import current_platform
 
-    monkeypatch.delenv(RAY_PREFIXES, raising=False)
-    monkeypatch.delenv("EPLB_GRAPH_PLACEMENT_FILE", raising=False)
+    os.environ.pop(RAY_PREFIXES, None)
+    os.environ.pop("EPLB_GRAPH_PLACEMENT_FILE", None)
     args = elastic_args(model_dir)
     config = args.create_engine_config()
     parallel = config.parallel_config
@@ -81,7 +87,7 @@ def test_an_accepted_request_builds_elastic_async_eplb_on_cpu_with_the_mp_execut
     assert parallel.eplb_config.communicator == "torch_gloo" and parallel.distributed_executor_backend == "mp"
     assert (args.enable_elastic_ep, args.distributed_executor_backend) == (True, None)  # the caller's, as given
     assert type(current_platform).ray_device_key == RAY_RESOURCE
-    assert ENV_PREFIX in os.environ[RAY_PREFIXES].split(",")
+    assert ENV_PREFIX in os.environ[RAY_PREFIXES].split(",") and os.environ["VLLM_DISABLE_COMPILE_CACHE"] == "1"
 
 
 def test_the_frontend_refuses_a_bad_size_before_upstream_runs(model_dir):

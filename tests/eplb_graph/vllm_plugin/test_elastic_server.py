@@ -52,7 +52,7 @@ import os
 if os.environ.get("VLLM_ELASTIC_EP_SCALE_UP_LAUNCH") == "1" and os.path.exists({marker!r}):
     os._exit(17)
 """
-START_TIMEOUT_S = 150  # a new engine here starts (loads, compiles) well within it
+START_TIMEOUT_S = 120  # a new engine here starts (loads, compiles) in well under a minute
 
 
 def post(port: str, path: str, body: object, timeout: float) -> tuple[int, str]:

@@ -28,6 +28,20 @@ KEYS = (INIT, COMMUNICATOR, USES_COMMUNICATOR, EPLB_COMMUNICATOR)
 HIDDEN, TOP_K, LOCAL_EXPERTS = 4, 2, 2
 
 
+@pytest.fixture(autouse=True)
+def without_the_plugins():
+    """The plugin installs the two in every vLLM process on CPU that imports their modules (an
+    earlier test in this process may have): taken out for each test here, put back after."""
+    from eplb_graph.vllm_plugin.stateless_cpu import INSTALLED, install_for_plugin
+
+    taken = [key for key in INSTALLED if patches.installed(key)]
+    for key in reversed(taken):
+        patches.uninstall(key)
+    yield
+    for key in taken:
+        install_for_plugin(key)
+
+
 @pytest.fixture
 def installed():
     adaptations = StatelessCpuAdaptations()
