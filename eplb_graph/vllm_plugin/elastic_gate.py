@@ -96,9 +96,10 @@ def configure_elastic(config, engine_args, environ: dict[str, str] | os._Environ
     ResizeGuard(start_timeout_s(environ)).install()  # checked at start (elastic_problems)
     if environ.get(NO_COMPILE_CACHE) != "1":  # read by each engine Ray starts (vLLM copies its variables)
         environ[NO_COMPILE_CACHE] = "1"
-        vllm_logger().warning("eplb-graph: vLLM's compile cache is off under elastic EP (%s=1): after a resize back to a "
-                       "size it served before, some engines load that size's cached graph and others cannot, and "
-                       "engines running different graphs break each other's collectives", NO_COMPILE_CACHE)
+        vllm_logger().warning(
+            "eplb-graph: vLLM's compile cache is off under elastic EP (%s=1): after a resize back to a size it "
+            "served before, some engines load that size's cached graph and others cannot, and engines running "
+            "different graphs break each other's collectives", NO_COMPILE_CACHE)
     prefixes = [p for p in environ.get(RAY_PREFIXES, "").split(",") if p.strip()]
     if ENV_PREFIX not in prefixes:  # read by vLLM when it starts each engine actor, in this process
         environ[RAY_PREFIXES] = ",".join([*prefixes, ENV_PREFIX])
