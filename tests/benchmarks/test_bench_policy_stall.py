@@ -14,8 +14,10 @@ def test_a_small_run_measures_every_mode_and_compares_placements():
     assert all(result["policy_calls"][mode] >= 2 for mode in ("in_thread", "helper_process"))  # one per block at least
     assert result["placements_equal"] is True
     for mode in bench_policy_stall.MODES:  # each mode's p99 is read against the alone p50, the baseline
+        # the ratio is reported to 2 decimals (abs. error up to 0.005, which a small ratio on a loaded
+        # machine makes more than 2 %), the times to 3
         assert result["step_p99_over_alone_p50"][mode] == pytest.approx(
-            result["step_p99_ms"][mode] / result["step_p50_ms"]["alone"], rel=0.02)
+            result["step_p99_ms"][mode] / result["step_p50_ms"]["alone"], rel=0.02, abs=0.0051)
 
 
 def test_policy_loop_reports_an_error_from_its_thread():
