@@ -3,8 +3,8 @@
     torch.ops.eplb_graph.ep_all_gather(x [T, C], group: str) -> [max_size * T, C]
     torch.ops.eplb_graph.ep_local_slots(physical_ids [R, K], group: str, num_local: int) -> [R, K]
     torch.ops.eplb_graph.ep_sum_own_rows(parts [max_size * T, ...], group: str) -> [T, ...]
-    torch.ops.eplb_graph.ep_all_gatherv(tensors [[sizes[rank], ...]], sizes, group: str) -> [[sum(sizes), ...]]
-    torch.ops.eplb_graph.ep_reduce_scatterv(x [sum(sizes), ...], sizes, group: str) -> [sizes[rank], ...]
+    torch.ops.eplb_graph.ep_all_gatherv(tensors [[counts[rank], ...]], group: str) -> [[sum(counts), ...]]
+    torch.ops.eplb_graph.ep_reduce_scatterv(x [sum(counts), ...], rows: SymInt, group: str) -> [rows, ...]
 
 A functional collective in a compiled graph bakes its process group's name and size into
 the graph (the all-gather's output shape is size x T), and a layer's EP rank is a Python
@@ -18,10 +18,13 @@ contributions are exactly zero and the sum over the members is the sum over all 
 Each op runs one blocking collective on the slot's gloo group (never several in flight).
 
 The two ``v`` ops serve vLLM's data-parallel MoE dispatch on CPU, whose ranks hold different
-token counts (``sizes``, read from vLLM's forward context): every tensor gathered together gets
-the one output length ``sum(sizes)``, so a graph can prove the gathered hidden states and top-k
-ids have as many rows (traced collectives built per tensor could not). Gloo gathers equal
-chunks, so each rank's rows travel padded to ``max(sizes)``.
+token counts. The counts are the slot's (``TokenCountSlot.token_counts``), read when the op runs,
+never an argument: a list argument would freeze the group's size into the graph (its length)
+and with it the gathered length. The gather's fake gives every tensor gathered together one
+fresh data-dependent length, so a graph can prove the gathered hidden states and top-k ids have
+as many rows (traced collectives built per tensor could not), and the reduce-scatter returns
+``rows``, the caller's own token count, a symbol the graph already holds. Gloo gathers equal
+chunks, so each rank's rows travel padded to the most any rank holds.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ import torch.distributed as dist
 EP_ALL_GATHER_SCHEMA = "ep_all_gather(Tensor x, str group) -> Tensor"
 EP_LOCAL_SLOTS_SCHEMA = "ep_local_slots(Tensor physical_ids, str group, int num_local) -> Tensor"
 EP_SUM_OWN_ROWS_SCHEMA = "ep_sum_own_rows(Tensor parts, str group) -> Tensor"
-EP_ALL_GATHERV_SCHEMA = "ep_all_gatherv(Tensor[] tensors, SymInt[] sizes, str group) -> Tensor[]"
-EP_REDUCE_SCATTERV_SCHEMA = "ep_reduce_scatterv(Tensor x, SymInt[] sizes, str group) -> Tensor"
+EP_ALL_GATHERV_SCHEMA = "ep_all_gatherv(Tensor[] tensors, str group) -> Tensor[]"
+EP_REDUCE_SCATTERV_SCHEMA = "ep_reduce_scatterv(Tensor x, SymInt rows, str group) -> Tensor"
 
 
 class EpGroupSlot(Protocol):
@@ -46,6 +49,14 @@ class EpGroupSlot(Protocol):
 
     def current(self) -> tuple[dist.ProcessGroup | None, int, int]:
         """(process group, this process's rank in it, its size) now; None for a group of one."""
+        ...
+
+
+class TokenCountSlot(EpGroupSlot, Protocol):
+    """A slot whose ranks hold different token counts in each step (the ``v`` ops' slots)."""
+
+    def token_counts(self) -> list[int]:
+        """Each member's token rows in the step under way, in rank order."""
         ...
 
 
@@ -131,49 +142,64 @@ def ep_sum_own_rows_fake(parts: torch.Tensor, group: str) -> torch.Tensor:
     return parts.new_empty((rows, *parts.shape[1:]))
 
 
-def check_sizes(sizes: list[int], size: int, rank: int, rows: int) -> None:
-    if len(sizes) != size:
-        raise RuntimeError(f"sizes {list(sizes)} must name each of the group's {size} ranks")
-    if isinstance(rows, int) and isinstance(sizes[rank], int) and sizes[rank] != rows:
-        raise RuntimeError(f"rank {rank} holds {rows} rows, but sizes {list(sizes)} say {sizes[rank]}")
+def step_counts(group: str) -> tuple[dist.ProcessGroup | None, int, list[int]]:
+    """The slot's group, this rank and every member's token count now, checked against each other."""
+    slot = EP_GROUPS.resolve(group)
+    if not hasattr(slot, "token_counts"):
+        raise RuntimeError(f"group {group!r} keeps no token counts: the variable-size ops need a TokenCountSlot")
+    pg, rank, size = slot.current()
+    counts = [int(count) for count in slot.token_counts()]
+    if len(counts) != size:
+        raise RuntimeError(f"group {group!r}: token counts {counts} must name each of its {size} members")
+    if any(count < 0 for count in counts) or (size > 1 and min(counts) < 1):
+        raise RuntimeError(f"group {group!r}: token counts {counts}: none negative, and one row at least on each "
+                           f"member of a group of several (what a traced gather assumes)")
+    return pg, rank, counts
 
 
-def ep_all_gatherv(tensors: list[torch.Tensor], sizes: list[int], group: str) -> list[torch.Tensor]:
-    """Each tensor's rows from every rank, in rank order: [sizes[rank], ...] -> [sum(sizes), ...]."""
-    pg, rank, size = EP_GROUPS.resolve(group).current()
+def ep_all_gatherv(tensors: list[torch.Tensor], group: str) -> list[torch.Tensor]:
+    """Each tensor's rows from every member, in rank order: [counts[rank], ...] -> [sum(counts), ...]."""
+    pg, rank, counts = step_counts(group)
     gathered = []
     for x in tensors:
-        check_sizes(sizes, size, rank, x.shape[0])
+        if x.shape[0] != counts[rank]:
+            raise RuntimeError(f"group {group!r}: rank {rank} holds {x.shape[0]} rows, but the step's token "
+                               f"counts {counts} say {counts[rank]}")
         if pg is None:
             gathered.append(x.clone())
             continue
-        most = max(sizes)
-        padded = x.new_zeros((most, *x.shape[1:]))  # [max(sizes), ...]
+        padded = x.new_zeros((max(counts), *x.shape[1:]))  # [max(counts), ...]
         padded[: x.shape[0]] = x
-        chunks = [torch.empty_like(padded) for _ in range(size)]
+        chunks = [torch.empty_like(padded) for _ in counts]
         dist.all_gather(chunks, padded, group=pg)
-        gathered.append(torch.cat([chunk[:rows] for chunk, rows in zip(chunks, sizes)]))
+        gathered.append(torch.cat([chunk[:rows] for chunk, rows in zip(chunks, counts)]))
     return gathered
 
 
-def ep_all_gatherv_fake(tensors: list[torch.Tensor], sizes: list[int], group: str) -> list[torch.Tensor]:
-    EP_GROUPS.resolve(group)
-    total = sum(sizes)
+def ep_all_gatherv_fake(tensors: list[torch.Tensor], group: str) -> list[torch.Tensor]:
+    slot = EP_GROUPS.resolve(group)
+    several = slot.max_size > 1
+    total = torch.library.get_ctx().new_dynamic_size(min=1 if several else 0)  # sum(counts) in that step
+    if several:  # vLLM runs every DP rank's step with a token or more (checked when it runs: step_counts),
+        # so the gathered batch is neither empty nor this rank's own, and a graph can tell; said as
+        # "not equal", since "more" would meet the traced batch's assumed size of 2 or more in the
+        # graph's checks. A group of several stays several (vLLM's elastic EP keeps DP >= 2)
+        torch._check(total != tensors[0].shape[0])
     return [x.new_empty((total, *x.shape[1:])) for x in tensors]
 
 
-def ep_reduce_scatterv(x: torch.Tensor, sizes: list[int], group: str) -> torch.Tensor:
-    """The ranks' sum of ``x`` [sum(sizes), ...], this rank's ``sizes[rank]`` rows of it."""
-    pg, rank, size = EP_GROUPS.resolve(group).current()
-    check_sizes(sizes, size, rank, None)
-    if x.shape[0] != sum(sizes):
-        raise RuntimeError(f"reduce_scatterv of {x.shape[0]} rows, but sizes {list(sizes)} sum to {sum(sizes)}")
-    return summed_rows(x, pg, sum(sizes[:rank]), sizes[rank])
+def ep_reduce_scatterv(x: torch.Tensor, rows: int, group: str) -> torch.Tensor:
+    """The members' sum of ``x`` [sum(counts), ...], this rank's ``rows`` (= ``counts[rank]``) rows of it."""
+    pg, rank, counts = step_counts(group)
+    if x.shape[0] != sum(counts) or rows != counts[rank]:
+        raise RuntimeError(f"group {group!r}: reduce_scatterv of {x.shape[0]} rows to {rows}, but the step's "
+                           f"token counts {counts} sum to {sum(counts)} and give rank {rank} {counts[rank]}")
+    return summed_rows(x, pg, sum(counts[:rank]), rows)
 
 
-def ep_reduce_scatterv_fake(x: torch.Tensor, sizes: list[int], group: str) -> torch.Tensor:
-    _, rank, _ = EP_GROUPS.resolve(group).current()
-    return x.new_empty((sizes[rank], *x.shape[1:]))
+def ep_reduce_scatterv_fake(x: torch.Tensor, rows: int, group: str) -> torch.Tensor:
+    EP_GROUPS.resolve(group)
+    return x.new_empty((rows, *x.shape[1:]))
 
 
 def register(lib: torch.library.Library, namespace: str) -> None:

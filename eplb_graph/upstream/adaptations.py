@@ -276,6 +276,14 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
                  "vLLM's DP token dispatch on CPU calls it and the CPU communicator leaves it unimplemented",
                  When((PLUGIN,), HOST, condition="data parallel > 1"), _fn("self", "input_", "dim", "sizes"))
       for name in ("all_gatherv", "reduce_scatterv")),
+    Adaptation("dp_dispatch.get_sizes", "vllm.distributed.device_communicators.all2all", "AgRsAll2AllManager._get_sizes",
+               "hook", "on the DP group the list only meets upstream's own rank check: the dispatch ops read each "
+               "rank's token count when they run, so a compiled graph holds no value of the DP size",
+               When((PLUGIN,), HOST, condition="data parallel > 1"), _fn("self", "num_local_tokens", "comm_group")),
+    Adaptation("dp_dispatch.sequence_parallel_context", "vllm.model_executor.layers.fused_moe.runner.moe_runner",
+               "MoERunner._sequence_parallel_context", "hook",
+               "no DP token counts read into the traced graph (a list as long as the DP group), the dispatch ops "
+               "read them when they run", When((PLUGIN,), HOST, condition="data parallel > 1"), _fn("self")),
     # -- the reference runtime (runtime/controller.py, runtime/groups.py)
     Adaptation("runtime.policy_process", EPLB_STATE, "EplbState.policy", "hook",
                "upstream's policy run in a helper process: the worker thread's GIL stays free",
@@ -318,7 +326,8 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
     Adaptation("elastic_resize.scale_elastic_ep", "vllm.v1.engine.async_llm", "AsyncLLM.scale_elastic_ep", "wrap",
                "a resize below 2 DP ranks or above elastic_ep_max_dp_size, or after one failed part-way, is refused "
                "before anything starts (vLLM answers the ValueError with 400): upstream hangs shrinking to one rank "
-               "at TP=1 and cannot undo a prepared resize", _gate_elastic, _fn("self", "new_data_parallel_size")),
+               "at TP=1 and cannot undo a prepared resize; a scale-down drains first (upstream aborts the requests "
+               "of the engines it removes)", _gate_elastic, _fn("self", "new_data_parallel_size")),
     Adaptation("elastic_resize.scale_up_engines", ENGINE_UTILS, "CoreEngineActorManager.scale_up_elastic_ep", "wrap",
                "the new engines are killed if not initialized in EPLB_GRAPH_ELASTIC_START_TIMEOUT_S: upstream waits "
                "for them without a bound", _gate_elastic,
@@ -349,6 +358,10 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
     Adaptation("elastic_scaling.switch_and_prepare", ELASTIC_EXECUTE, "ElasticEPScalingExecutor.switch_and_prepare",
                "wrap", "after upstream's switch to the new groups, the worker's eplb-graph follows the new EP group, "
                "DP dispatch, experts and placement (VllmEplbWorker.after_switch)", _vllm_elastic, _fn("self")),
+    Adaptation("elastic_scaling.release_cuda_graphs", ELASTIC_EXECUTE, "ElasticEPScalingExecutor._release_cuda_graphs",
+               "wrap", "keeps the compiled model across a switch where the worker's graphs hold no value of the group "
+               "size (the CPU engine captures no CUDA graph); upstream resets torch.compile and recompiles while the "
+               "scheduler waits", _vllm_elastic, _fn("self")),
     # -- the step breakdown's probes (runtime/step_probes.py), over the capability adaptations
     *(Adaptation(f"probes.state_{name}", EPLB_STATE, f"EplbState.{method}", "hook",
                  "times upstream's EPLB step phases on the serving thread", _probes, _fn(*params))

@@ -4,16 +4,35 @@ Our tables are sized once for upstream's slot capacity (``slot_capacity``) and b
 capacity rows, so a resize never replaces a tensor a graph reads; what changes is the placement,
 which reaches our lookups here: a new engine's, installed by upstream's ``update_mapping``
 (``follow_new_engine_mapping``), and an existing engine's after upstream's switch (``after_switch``).
+
+A compiled graph holds no value of the group's size either: the DP dispatch reads each rank's token
+count when it runs (``dp_dispatch``), the experts read the layer's live ``expert_map`` (an op
+argument the graph passes through) and find the layer's experts by name (``LocalPairExperts``).
+So upstream's reset of the compiled state at a switch (``_release_cuda_graphs``) is skipped on
+CPU (``keeps_graphs``; ``EPLB_GRAPH_ELASTIC_KEEP_GRAPHS=0`` leaves it to upstream).
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from eplb_graph.upstream import patches
 
 if TYPE_CHECKING:
     from .worker import VllmEplbWorker
+
+
+KEEP_GRAPHS = "EPLB_GRAPH_ELASTIC_KEEP_GRAPHS"
+
+
+def keep_graphs(environ: dict[str, str] | os._Environ) -> bool:
+    """Whether a resize keeps the compiled graphs (the default) or lets upstream reset them."""
+    raw = environ.get(KEEP_GRAPHS, "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{KEEP_GRAPHS}={raw!r}: 1 keeps the compiled graphs across a resize (the default), "
+                         f"0 leaves upstream's reset of them at each switch")
+    return raw == "1"
 
 
 def slot_capacity(parallel_config, model_state) -> int | None:
@@ -67,5 +86,5 @@ def after_switch(worker: VllmEplbWorker) -> None:
         from .dp_dispatch import bind_dp_dispatch
 
         worker.dp_dispatch.unbind()
-        worker.dp_dispatch = bind_dp_dispatch(worker.runner.parallel_config)
+        worker.dp_dispatch = bind_dp_dispatch(worker.runner.parallel_config, worker.moe_runners())
     worker.local_experts = {key: experts.rebind() for key, experts in worker.local_experts.items()}

@@ -24,6 +24,7 @@ from eplb_graph.upstream import patches
 from eplb_graph.upstream.adaptations import PLUGIN
 
 from .active_line import vllm_logger
+from .elastic_follow import keep_graphs
 from .elastic_resize import MIN_DP, ResizeGuard, start_timeout_s
 
 # The Ray resource vLLM's DP placement counts engines by on CPU (one unit per engine at TP=1): the
@@ -64,6 +65,10 @@ def elastic_problems(engine_args, *, on_cpu: bool, environ: dict[str, str]) -> l
         start_timeout_s(environ)
     except ValueError as error:
         problems.append(f"the new engines' start bound: {error}")
+    try:
+        keep_graphs(environ)
+    except ValueError as error:
+        problems.append(str(error))
     if environ.get("EPLB_GRAPH_PLACEMENT_FILE"):
         problems.append("EPLB_GRAPH_PLACEMENT_FILE with enable_elastic_ep=True: a kept placement names the slots "
                         "of one group size, which a resize changes")

@@ -12,7 +12,10 @@ resize and its request. And upstream has no abort: the existing engines have pre
 * gives the new engines ``EPLB_GRAPH_ELASTIC_START_TIMEOUT_S`` seconds to initialize, then kills
   them, so upstream's wait fails and the resize is answered with an error; what upstream recorded
   of them (actors, placement groups) is taken back, the old group serves on;
-* after a resize failed part-way, refuses every later one, naming the failure (restart to resize).
+* after a resize failed part-way, refuses every later one, naming the failure (restart to resize);
+* drains a scale-down first: upstream aborts the requests running on the engines it removes (their
+  clients get a cut answer with status 200) unless ``VLLM_ELASTIC_EP_DRAIN_REQUESTS`` is set. New
+  requests are answered vLLM's retryable 503 meanwhile (its scaling flag), the running ones finish.
 """
 
 from __future__ import annotations
@@ -90,6 +93,28 @@ class ResizeGuard:
                        f"this server serves on at {parallel.data_parallel_size} DP ranks: restart it to resize")
         if problem:
             raise ValueError(problem)  # vLLM's route answers 400, nothing started
+        if new_size < parallel.data_parallel_size:
+            return await self.drained(upstream, engine, new_size, *args, **kwargs)
+        return await self.guarded(upstream, engine, new_size, *args, **kwargs)
+
+    async def drained(self, upstream, engine, new_size, *args, **kwargs):
+        """A scale-down once no request runs (see the module docstring); a drain that times out
+        leaves the group as it was (vLLM answers it 408)."""
+        from vllm import envs
+        from vllm.entrypoints.serve.elastic_ep.middleware import set_scaling_elastic_ep
+
+        if envs.VLLM_ELASTIC_EP_DRAIN_REQUESTS:  # upstream drains itself
+            return await self.guarded(upstream, engine, new_size, *args, **kwargs)
+        drain_timeout = args[0] if args else kwargs.get("drain_timeout", 300)
+        set_scaling_elastic_ep(True)
+        try:
+            await engine.wait_for_requests_to_drain(drain_timeout)
+            return await self.guarded(upstream, engine, new_size, *args, **kwargs)
+        finally:
+            set_scaling_elastic_ep(False)
+
+    async def guarded(self, upstream, engine, new_size, *args, **kwargs):
+        """Upstream's resize; one that fails part-way is remembered."""
         try:
             return await upstream(engine, new_size, *args, **kwargs)
         except ValueError:

@@ -17,9 +17,13 @@ would serve wrong tokens silently:
 * the re-warm after a switch unlocks and locks a workspace manager the CPU worker never creates:
   upstream's manager is created, empty, first (``warm_and_capture``);
 * after the switch the EP group, its DP dispatch and each layer's experts are new objects: the
-  worker's eplb-graph follows them (``switch_and_prepare`` -> ``VllmEplbWorker.after_switch``).
+  worker's eplb-graph follows them (``switch_and_prepare`` -> ``VllmEplbWorker.after_switch``);
+* at the switch upstream resets torch.compile and every compiled model, and the re-warm compiles
+  them again while the scheduler waits: where the worker's graphs hold no value of the group's
+  size (``elastic_follow``), the compiled state is kept (``release_cuda_graphs``; the CPU engine
+  captures no CUDA graph to release).
 
-``ElasticCpuScaling`` installs the six (``elastic_scaling.*`` in ``adaptations.py``); the plugin
+``ElasticCpuScaling`` installs the seven (``elastic_scaling.*`` in ``adaptations.py``); the plugin
 installs it in every vLLM process on CPU that imports upstream's module.
 """
 
@@ -33,7 +37,8 @@ from eplb_graph.upstream import patches
 
 KEYS = ("elastic_scaling.load_model", "elastic_scaling.batch_transfer_weights",
         "elastic_scaling.warm_target_groups", "elastic_scaling.warmup_new_worker",
-        "elastic_scaling.warm_and_capture", "elastic_scaling.switch_and_prepare")
+        "elastic_scaling.warm_and_capture", "elastic_scaling.switch_and_prepare",
+        "elastic_scaling.release_cuda_graphs")
 
 
 def load_model(upstream):
@@ -98,11 +103,22 @@ def switch_and_prepare(upstream):
     return switch_and_prepare
 
 
+def release_cuda_graphs(upstream):
+    @functools.wraps(upstream)
+    def _release_cuda_graphs(self) -> None:
+        bound = getattr(self.worker.model_runner, "eplb_graph", None)
+        if bound is None or not bound.keeps_graphs:
+            return upstream(self)
+        return None  # the compiled model serves the resized group as it is (elastic_follow)
+
+    return _release_cuda_graphs
+
+
 class ElasticCpuScaling:
     """Installs the adaptations above once per process (by the plugin's name), on CPU only."""
 
     MAKERS = dict(zip(KEYS, (load_model, batch_transfer_weights, warm_target_groups, warmup_new_worker,
-                             warm_and_capture, switch_and_prepare)))
+                             warm_and_capture, switch_and_prepare, release_cuda_graphs)))
 
     @classmethod
     def install(cls, installer: object) -> None:

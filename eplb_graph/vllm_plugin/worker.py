@@ -113,7 +113,11 @@ class VllmEplbWorker:
         roots = compiled_roots(runner.model)
         compilation_config = runner.vllm_config.compilation_config
         # on CPU under DP, vLLM's token dispatch gets the collectives its communicator lacks (dp_dispatch.py)
-        self.dp_dispatch = bind_dp_dispatch(parallel_config) if torch.device(runner.device).type == "cpu" else None
+        self.dp_dispatch = (bind_dp_dispatch(parallel_config, self.moe_runners())
+                            if torch.device(runner.device).type == "cpu" else None)
+        # under vLLM's elastic EP, a resize keeps the compiled graphs: the DP dispatch reads no count from them
+        self.keeps_graphs = (self.dp_dispatch is not None and bool(parallel_config.enable_elastic_ep)
+                             and elastic_follow.keep_graphs(os.environ))
         self.expert_views: dict[str, ExpertWeightView] = {}
         # on CPU under expert parallel, each layer's experts run this rank's pairs only (local_experts.py)
         self.local_experts: dict[str, LocalPairExperts] = {}
@@ -189,6 +193,11 @@ class VllmEplbWorker:
 
     def layers_of(self, model_state) -> list[VllmMoELayer]:
         return self.binding.layers_of(model_state)
+
+    def moe_runners(self) -> list:
+        """Every MoE layer's runner (vLLM's ``MoERunner``) of the models EPLB balances."""
+        return [moe_runner for model_state in self.runner.eplb_state.model_states.values()
+                for moe_runner in model_state.model.moe_layers]
 
     @property
     def stats(self):

@@ -102,26 +102,48 @@ def rank_parts(rank: int) -> torch.Tensor:
     return torch.arange(sum(SIZES) * 3, dtype=torch.float32).view(sum(SIZES), 3) * (rank + 1)
 
 
-class GroupSlot:
-    """A fixed slot over a real process group."""
+def dispatch(hidden, ids, group: str):
+    """vLLM's DP MoE layer in miniature: gather, compute on every rank's rows, sum back."""
+    gathered_hidden, gathered_ids = torch.ops.eplb_graph.ep_all_gatherv([hidden, ids], group)
+    assert gathered_hidden.shape[0] == gathered_ids.shape[0]  # decided at trace time
+    summed = gathered_hidden * 2 + gathered_ids.sum(1, keepdim=True)
+    return torch.ops.eplb_graph.ep_reduce_scatterv(summed, hidden.shape[0], group)
 
-    def __init__(self, pg, rank: int, size: int) -> None:
-        self.pg, self.rank, self.max_size = pg, rank, size
+
+class GroupSlot:
+    """A slot over a real process group, whose ranks hold ``counts`` tokens in the step."""
+
+    def __init__(self, pg, rank: int, size: int, counts: list[int]) -> None:
+        self.pg, self.rank, self.max_size, self.counts = pg, rank, size, counts
 
     def current(self):
         return self.pg, self.rank, self.max_size
+
+    def token_counts(self):
+        return self.counts
 
 
 def variable_size_rank(rank, world_size, init_method):
     """One gloo launch for every multi-process check: the gather of three dtypes, the reduce-scatter."""
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
-    slot = GroupSlot(dist.group.WORLD, rank, world_size)
+    alone = [dist.new_group([member]) for member in range(world_size)][rank]  # every rank joins each
+    slot = GroupSlot(dist.group.WORLD, rank, world_size, SIZES)
     EP_GROUPS.register("test-ep-v", slot)
     try:
-        gathered = torch.ops.eplb_graph.ep_all_gatherv(rank_tensors(rank), SIZES, "test-ep-v")
-        own = torch.ops.eplb_graph.ep_reduce_scatterv(rank_parts(rank), SIZES, "test-ep-v")
+        gathered = torch.ops.eplb_graph.ep_all_gatherv(rank_tensors(rank), "test-ep-v")
+        own = torch.ops.eplb_graph.ep_reduce_scatterv(rank_parts(rank), SIZES[rank], "test-ep-v")
+        # a graph built while the slot holds a group of one serves the group of two (a resize)
+        hidden, _, ids = rank_tensors(rank)
+        slot.pg, slot.rank, slot.max_size, slot.counts = alone, 0, 1, [SIZES[rank]]
+        compiled = torch.compile(dispatch, backend="aot_eager", dynamic=True, fullgraph=True)
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        alone_out = compiled(hidden, ids, "test-ep-v")
+        slot.pg, slot.rank, slot.max_size, slot.counts = dist.group.WORLD, rank, world_size, SIZES
+        together_out = compiled(hidden, ids, "test-ep-v")
+        compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
         return ([(str(t.dtype), tuple(t.shape), t.float().tolist()) for t in gathered],
-                (str(own.dtype), tuple(own.shape), own.tolist()))
+                (str(own.dtype), tuple(own.shape), own.tolist()),
+                (alone_out.tolist(), together_out.tolist(), compiles))
     finally:
         EP_GROUPS.unregister("test-ep-v")
         dist.destroy_process_group()
@@ -133,59 +155,87 @@ def test_the_variable_size_ops_over_two_gloo_ranks_with_unequal_token_counts():
     # every tensor, of every dtype, gathered to the one length sum(sizes): each rank's rows in rank order
     expected = [torch.cat(parts) for parts in zip(*(rank_tensors(rank) for rank in range(2)))]
     total = sum(rank_parts(rank) for rank in range(2))  # [8, 3]
-    for rank, (gathered, own) in enumerate(results):
+    everyone = [torch.cat(parts) for parts in zip(*(rank_tensors(rank) for rank in range(2)))]
+    gathered_sum = everyone[0] * 2 + everyone[2].sum(1, keepdim=True)  # what dispatch sums on each rank
+    for rank, (gathered, own, (alone_out, together_out, compiles)) in enumerate(results):
         assert [(dtype, shape) for dtype, shape, _ in gathered] == [
             (str(t.dtype), (sum(SIZES), *t.shape[1:])) for t in expected]
         assert [values for _, _, values in gathered] == [t.float().tolist() for t in expected]
         start = sum(SIZES[:rank])  # the reduce-scatter: this rank's own rows of the ranks' sum
         assert own == ("torch.float32", (SIZES[rank], 3), total[start : start + SIZES[rank]].tolist())
+        hidden, _, ids = rank_tensors(rank)
+        assert alone_out == (hidden * 2 + ids.sum(1, keepdim=True)).tolist()
+        assert together_out == (2 * gathered_sum[start : start + SIZES[rank]]).tolist()  # both ranks' sum
+        assert compiles == 1
 
 
-def test_the_variable_size_ops_are_the_identity_for_a_group_of_one(slot):
+class CountedSlot(Slot):
+    """A slot of no process group whose members' token counts the test sets."""
+
+    def __init__(self, counts: list[int], rank: int = 0) -> None:
+        super().__init__(max_size=len(counts), rank=rank, size=len(counts))
+        self.counts = counts
+
+    def token_counts(self):
+        return self.counts
+
+
+@pytest.fixture
+def counted():
+    slot = CountedSlot([3])
+    EP_GROUPS.register("test-ep-counted", slot)
+    yield slot
+    EP_GROUPS.unregister("test-ep-counted")
+
+
+def test_the_variable_size_ops_are_the_identity_for_a_group_of_one(counted):
     hidden, weights, ids = rank_tensors(0)
-    gathered = torch.ops.eplb_graph.ep_all_gatherv([hidden, weights, ids], [3], "test-ep")
+    gathered = torch.ops.eplb_graph.ep_all_gatherv([hidden, weights, ids], "test-ep-counted")
     assert [t.dtype for t in gathered] == [torch.float32, torch.bfloat16, torch.int32]
     assert all(torch.equal(out, x) and out.data_ptr() != x.data_ptr()  # a copy, never the input itself
                for out, x in zip(gathered, (hidden, weights, ids)))
-    own = torch.ops.eplb_graph.ep_reduce_scatterv(hidden, [3], "test-ep")
+    own = torch.ops.eplb_graph.ep_reduce_scatterv(hidden, 3, "test-ep-counted")
     assert torch.equal(own, hidden) and own.data_ptr() != hidden.data_ptr()
 
 
-def test_sizes_that_do_not_name_every_rank_are_refused(slot):
+def test_counts_that_do_not_name_every_member_are_refused(counted):
+    counted.counts = [3, 3]
     x = torch.ones(3, 2)
-    with pytest.raises(RuntimeError, match=r"sizes \[3, 3\] must name each of the group's 1 ranks"):
-        torch.ops.eplb_graph.ep_all_gatherv([x], [3, 3], "test-ep")
-    with pytest.raises(RuntimeError, match=r"sizes \[1, 2\] must name each of the group's 1 ranks"):
-        torch.ops.eplb_graph.ep_reduce_scatterv(x, [1, 2], "test-ep")
+    with pytest.raises(RuntimeError, match=r"token counts \[3, 3\] must name each of its 1 members"):
+        torch.ops.eplb_graph.ep_all_gatherv([x], "test-ep-counted")
+    with pytest.raises(RuntimeError, match=r"token counts \[3, 3\] must name each of its 1 members"):
+        torch.ops.eplb_graph.ep_reduce_scatterv(x, 3, "test-ep-counted")
 
 
-def test_sizes_that_miscount_this_ranks_rows_are_refused(slot):
-    slot.rank, slot.size = 1, 2  # checked before any collective: the slot needs no process group
-    with pytest.raises(RuntimeError, match=r"rank 1 holds 3 rows, but sizes \[3, 4\] say 4"):
-        torch.ops.eplb_graph.ep_all_gatherv([torch.ones(3, 2)], [3, 4], "test-ep")
-    with pytest.raises(RuntimeError, match=r"rank 1 holds 2 rows, but sizes \[5, 3\] say 3"):
+def test_rows_the_counts_do_not_give_this_rank_are_refused(counted):
+    counted.counts, counted.rank, counted.size = [3, 4], 1, 2  # checked before any collective
+    with pytest.raises(RuntimeError, match=r"rank 1 holds 3 rows, but the step's token counts \[3, 4\] say 4"):
+        torch.ops.eplb_graph.ep_all_gatherv([torch.ones(3, 2)], "test-ep-counted")
+    counted.counts = [5, 3]
+    with pytest.raises(RuntimeError, match=r"rank 1 holds 2 rows, but the step's token counts \[5, 3\] say 3"):
         # every tensor is checked, not the first only
-        torch.ops.eplb_graph.ep_all_gatherv([torch.ones(3, 2), torch.ones(2, 2)], [5, 3], "test-ep")
-    with pytest.raises(RuntimeError, match=r"reduce_scatterv of 7 rows, but sizes \[3, 5\] sum to 8"):
-        torch.ops.eplb_graph.ep_reduce_scatterv(torch.ones(7, 2), [3, 5], "test-ep")
+        torch.ops.eplb_graph.ep_all_gatherv([torch.ones(3, 2), torch.ones(2, 2)], "test-ep-counted")
+    with pytest.raises(RuntimeError, match=r"reduce_scatterv of 7 rows to 3, but the step's token counts "
+                                           r"\[5, 3\] sum to 8 and give rank 1 3"):
+        torch.ops.eplb_graph.ep_reduce_scatterv(torch.ones(7, 2), 3, "test-ep-counted")
+    with pytest.raises(RuntimeError, match=r"reduce_scatterv of 8 rows to 2, .* give rank 1 3"):
+        torch.ops.eplb_graph.ep_reduce_scatterv(torch.ones(8, 2), 2, "test-ep-counted")
 
 
-def test_a_compiled_gather_gives_hidden_states_and_ids_one_row_count(slot, monkeypatch):
-    """Token counts read from a tensor are data-dependent: one op gathering both tensors gives them
-    the same length sum(sizes), so the graph proves they match without a guard on the data."""
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+def test_a_slot_without_token_counts_is_refused_by_name(slot):
+    with pytest.raises(RuntimeError, match="group 'test-ep' keeps no token counts"):
+        torch.ops.eplb_graph.ep_all_gatherv([torch.ones(3, 2)], "test-ep")
 
-    def dispatch(hidden, ids, counts):
-        sizes = counts.tolist()
-        for size in sizes:
-            torch._check(size >= 1)  # as dp_dispatch says of vLLM's DP ranks
-        gathered_hidden, gathered_ids = torch.ops.eplb_graph.ep_all_gatherv([hidden, ids], sizes, "test-ep")
-        assert gathered_hidden.shape[0] == gathered_ids.shape[0]  # decided at trace time
-        return gathered_hidden * 2, gathered_ids
 
-    compiled = torch.compile(dispatch, backend="aot_eager", fullgraph=True)
+def test_a_compiled_dispatch_reads_the_counts_when_it_runs(counted):
+    """The counts are read when the op runs, never traced: one graph serves other counts, and the
+    gathered hidden states and ids share one data-dependent length the graph proved equal when it
+    was built. (A graph built for one member serving two: ``variable_size_rank``.)"""
+    compiled = torch.compile(dispatch, backend="inductor", dynamic=True, fullgraph=True)
     hidden, _, ids = rank_tensors(0)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    gathered_hidden, gathered_ids = compiled(hidden, ids, torch.tensor([3]))
+    assert torch.equal(compiled(hidden, ids, "test-ep-counted"), dispatch(hidden, ids, "test-ep-counted"))
+    counted.counts = [2]
+    assert torch.equal(compiled(hidden[:2], ids[:2], "test-ep-counted"),
+                       dispatch(hidden[:2], ids[:2], "test-ep-counted"))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
-    assert torch.equal(gathered_hidden, hidden * 2) and torch.equal(gathered_ids, ids)

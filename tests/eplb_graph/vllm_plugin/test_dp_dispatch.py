@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from eplb_graph.custom_ops import EP_GROUPS
-from eplb_graph.vllm_plugin.dp_dispatch import DpDispatchError, VariableSizeCollectives, bind_dp_dispatch
+from eplb_graph.upstream import patches
+from eplb_graph.vllm_plugin.dp_dispatch import (CONTEXT_HOOK, SIZES_HOOK, DpDispatchError, VariableSizeCollectives,
+                                                bind_dp_dispatch, forward_token_counts)
 
 
 class CpuCommunicator:
@@ -41,10 +43,20 @@ def coordinator(communicator=None, name: str = "dp-test"):
                            rank_in_group=0, world_size=1)
 
 
+class Counts:
+    """The ranks' token counts in the step under way (vLLM's forward context in a worker)."""
+
+    def __init__(self, counts: list[int]) -> None:
+        self.counts = counts
+
+    def __call__(self) -> list[int]:
+        return self.counts
+
+
 @pytest.fixture
 def bound():
     group = coordinator()
-    collectives = VariableSizeCollectives(group, "vllm:dp-test")
+    collectives = VariableSizeCollectives(group, "vllm:dp-test", token_counts=Counts([3]))
     yield group.device_communicator, collectives
     collectives.unbind()
 
@@ -74,10 +86,58 @@ def test_a_dim_other_than_the_token_rows_is_refused_by_name(bound):
         communicator.reduce_scatterv(x, dim=1, sizes=[3])
 
 
-def test_sizes_the_op_refuses_reach_the_caller(bound):
-    communicator, _ = bound
-    with pytest.raises(RuntimeError, match="must name each of the group's 1 ranks"):
-        communicator.all_gatherv([torch.ones(3, 4)], dim=0, sizes=[3, 3])
+def test_counts_the_op_refuses_reach_the_caller(bound):
+    communicator, collectives = bound
+    collectives.slot.token_counts.counts = [3, 3]
+    with pytest.raises(RuntimeError, match="must name each of its 1 members"):
+        communicator.all_gatherv([torch.ones(3, 4)], dim=0, sizes=[3])
+
+
+def test_a_combine_returns_the_rows_dispatched_before_it_and_never_reads_upstreams_sizes(bound):
+    communicator, collectives = bound
+    hidden = torch.randn(3, 4)
+    with pytest.raises(DpDispatchError, match="a combine before any dispatch"):
+        communicator.reduce_scatterv(hidden, 0, [3])
+    communicator.all_gatherv(hidden, 0, sizes=[99])  # upstream's list, not read
+    assert collectives.dispatched_rows == 3
+    assert torch.equal(communicator.reduce_scatterv(hidden, 0, sizes=[99]), hidden)
+
+
+def test_outside_a_vllm_forward_there_are_no_counts_and_dispatch_says_so():
+    pytest.importorskip("vllm")
+    with pytest.raises(DpDispatchError, match="outside a vLLM forward with DP metadata"):
+        forward_token_counts()
+
+
+class Manager:
+    """vLLM's all-gather / reduce-scatter manager as the binding reads it: its own sizes."""
+
+    def _get_sizes(self, num_local_tokens, comm_group):
+        return [num_local_tokens, 7]
+
+
+class Runner:
+    """A MoE runner: upstream reads the counts into the graph through this context."""
+
+    def _sequence_parallel_context(self):
+        raise AssertionError("upstream's context ran")
+
+
+def test_the_manager_and_the_runners_read_no_counts_while_bound_and_their_own_after():
+    group, manager, runners = coordinator(name="dp-counts"), Manager(), [Runner(), Runner()]
+    collectives = VariableSizeCollectives(group, "vllm:dp-counts", token_counts=Counts([3]), manager=manager,
+                                          moe_runners=runners)
+    other = coordinator(name="ep")
+    assert manager._get_sizes(3, group) == [3]  # one per member, the rank's own rows: upstream's check holds
+    assert manager._get_sizes(3, other) == [3, 7]  # another group: upstream's
+    for runner in runners:
+        with runner._sequence_parallel_context():  # entered without reading a count
+            pass
+    collectives.unbind()
+    assert not patches.installed(SIZES_HOOK, on=manager) and manager._get_sizes(3, group) == [3, 7]
+    assert not any(patches.installed(CONTEXT_HOOK, on=runner) for runner in runners)
+    with pytest.raises(AssertionError, match="upstream's context ran"):
+        runners[0]._sequence_parallel_context()
 
 
 def test_a_communicator_other_than_the_cpu_one_is_refused_by_name():
@@ -102,7 +162,7 @@ def test_binding_twice_is_refused(bound):
 def test_unbinding_restores_the_communicator_and_frees_the_name():
     group = coordinator()
     communicator = group.device_communicator
-    collectives = VariableSizeCollectives(group, "vllm:dp-unbind")
+    collectives = VariableSizeCollectives(group, "vllm:dp-unbind", token_counts=Counts([1]))
     assert EP_GROUPS.resolve("vllm:dp-unbind") is collectives.slot
     assert {"all_gatherv", "reduce_scatterv"} <= set(vars(communicator))
     collectives.unbind()
@@ -111,25 +171,27 @@ def test_unbinding_restores_the_communicator_and_frees_the_name():
         communicator.all_gatherv(torch.zeros(1))
     with pytest.raises(KeyError, match="no live EP group named 'vllm:dp-unbind'"):
         EP_GROUPS.resolve("vllm:dp-unbind")
-    VariableSizeCollectives(group, "vllm:dp-unbind").unbind()  # and it can be bound again
+    VariableSizeCollectives(group, "vllm:dp-unbind", token_counts=Counts([1])).unbind()  # and it can be bound again
 
 
-def test_a_compiled_dispatch_reads_token_counts_from_a_tensor_in_one_graph(bound, monkeypatch):
-    """vLLM's sizes come from its forward context's tensors: data-dependent in the graph."""
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
-    communicator, _ = bound
+def test_a_compiled_dispatch_holds_no_count_and_serves_others_without_recompiling(bound):
+    """As vLLM's layer calls it: the traced code hands the hooks a list, which no graph keeps."""
+    communicator, collectives = bound
 
-    def dispatch(hidden, ids, counts):
-        gathered_hidden, gathered_ids = communicator.all_gatherv([hidden, ids], dim=0, sizes=counts.tolist())
+    def dispatch(hidden, ids):
+        gathered_hidden, gathered_ids = communicator.all_gatherv([hidden, ids], dim=0, sizes=[hidden.shape[0]])
         assert gathered_hidden.shape[0] == gathered_ids.shape[0]
-        return communicator.reduce_scatterv(gathered_hidden * 2, dim=0, sizes=counts.tolist()), gathered_ids
+        return communicator.reduce_scatterv(gathered_hidden * 2, dim=0, sizes=[hidden.shape[0]]), gathered_ids
 
-    compiled = torch.compile(dispatch, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(dispatch, backend="aot_eager", dynamic=True, fullgraph=True)
     hidden, ids = torch.randn(3, 4), torch.arange(6, dtype=torch.int32).view(3, 2)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    combined, gathered_ids = compiled(hidden, ids, torch.tensor([3]))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+    combined, gathered_ids = compiled(hidden, ids)
     assert torch.equal(combined, hidden * 2) and torch.equal(gathered_ids, ids)
+    collectives.slot.token_counts.counts = [2]
+    combined, gathered_ids = compiled(hidden[:2], ids[:2])
+    assert torch.equal(combined, hidden[:2] * 2) and torch.equal(gathered_ids, ids[:2])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
 
 
 def test_one_dp_rank_binds_nothing_and_never_reads_vllms_distributed_state(monkeypatch):

@@ -223,3 +223,12 @@ def test_with_elastic_off_the_tables_are_todays_size(group, engines):
     for index, layer in enumerate(engine.layers):
         assert layer.tables.physical_to_logical.tolist() == placed[index].tolist()
         layer.check_agrees_with_upstream()
+
+
+def test_graphs_are_kept_unless_the_operator_asks_for_upstreams_reset():
+    from eplb_graph.vllm_plugin.elastic_follow import keep_graphs
+
+    assert keep_graphs({}) and keep_graphs({"EPLB_GRAPH_ELASTIC_KEEP_GRAPHS": "1"})
+    assert not keep_graphs({"EPLB_GRAPH_ELASTIC_KEEP_GRAPHS": "0"})
+    with pytest.raises(ValueError, match="EPLB_GRAPH_ELASTIC_KEEP_GRAPHS='true': 1 keeps"):
+        keep_graphs({"EPLB_GRAPH_ELASTIC_KEEP_GRAPHS": "true"})

@@ -64,6 +64,16 @@ def test_a_start_bound_that_is_not_one_is_refused_at_start(model_dir):
     assert [p for p in problems if "EPLB_GRAPH_ELASTIC_START_TIMEOUT_S='soon'" in p]
 
 
+@pytest.mark.parametrize("value", ["yes", "2", ""])
+def test_a_keep_graphs_setting_other_than_0_or_1_is_refused_at_start(model_dir, value):
+    problems = elastic_problems(elastic_args(model_dir), on_cpu=True,
+                                environ={"EPLB_GRAPH_ELASTIC_KEEP_GRAPHS": value})
+    assert [p for p in problems if f"EPLB_GRAPH_ELASTIC_KEEP_GRAPHS={value!r}" in p], problems
+    for accepted in ("0", "1"):
+        assert not elastic_problems(elastic_args(model_dir), on_cpu=True,
+                                    environ={"EPLB_GRAPH_ELASTIC_KEEP_GRAPHS": accepted})
+
+
 def test_a_kept_placement_file_is_refused_with_elastic_ep(model_dir):
     problems = elastic_problems(elastic_args(model_dir), on_cpu=True, environ={"EPLB_GRAPH_PLACEMENT_FILE": "/p.json"})
     assert [p for p in problems if "EPLB_GRAPH_PLACEMENT_FILE" in p]

@@ -105,3 +105,59 @@ def test_engines_that_start_in_time_are_left_alone(monkeypatch):
     assert ResizeGuard(0.05).start_engines(upstream, manager, None, 3, 2) == "started"
     threading.Event().wait(0.2)  # past the bound: the timer was cancelled
     assert killed == [] and manager.local_engine_actors == ["a0", "a1", "new"]
+
+
+class Draining(SimpleNamespace):
+    """The engine client's drain as upstream's ``wait_for_requests_to_drain``: returns once no
+    request runs, raises ``TimeoutError`` at the bound; records vLLM's scaling flag meanwhile."""
+
+    async def wait_for_requests_to_drain(self, drain_timeout: int = 300) -> None:
+        from vllm.entrypoints.serve.elastic_ep.middleware import get_scaling_elastic_ep
+
+        self.flag_while_draining = get_scaling_elastic_ep()
+        self.drain_timeouts.append(drain_timeout)
+        if self.running:
+            raise TimeoutError(f"Timeout reached after {drain_timeout} seconds waiting for requests to drain.")
+
+
+def draining_engine(dp: int, running: bool) -> Draining:
+    return Draining(vllm_config=engine(dp).vllm_config, running=running, drain_timeouts=[])
+
+
+def test_a_scale_down_drains_first_with_new_requests_refused_and_a_scale_up_does_not(monkeypatch):
+    pytest.importorskip("vllm")
+    from vllm import envs
+    from vllm.entrypoints.serve.elastic_ep.middleware import get_scaling_elastic_ep
+
+    monkeypatch.delenv("VLLM_ELASTIC_EP_DRAIN_REQUESTS", raising=False)
+    monkeypatch.setattr(envs, "VLLM_ELASTIC_EP_DRAIN_REQUESTS", False, raising=False)
+    guard, flags = ResizeGuard(60.0), []
+
+    async def upstream(client, size, *args):
+        flags.append(get_scaling_elastic_ep())
+
+    down = draining_engine(3, running=False)
+    asyncio.run(guard.scale(upstream, down, 2, 45))
+    assert down.drain_timeouts == [45] and down.flag_while_draining and flags == [True]  # upstream after the drain
+    assert not get_scaling_elastic_ep()  # serving again
+    up = draining_engine(2, running=False)
+    asyncio.run(guard.scale(upstream, up, 3))
+    assert up.drain_timeouts == [] and flags == [True, False]  # upstream keeps a scale-up's requests
+
+
+def test_a_drain_that_times_out_leaves_the_group_and_the_next_resize_alone(monkeypatch):
+    pytest.importorskip("vllm")
+    from vllm import envs
+    from vllm.entrypoints.serve.elastic_ep.middleware import get_scaling_elastic_ep
+
+    monkeypatch.setattr(envs, "VLLM_ELASTIC_EP_DRAIN_REQUESTS", False, raising=False)
+    guard, calls = ResizeGuard(60.0), []
+
+    async def upstream(client, size, *args):
+        calls.append(size)
+
+    with pytest.raises(TimeoutError):  # vLLM's route answers it 408
+        asyncio.run(guard.scale(upstream, draining_engine(3, running=True), 2))
+    assert calls == [] and guard.failed is None and not get_scaling_elastic_ep()
+    asyncio.run(guard.scale(upstream, draining_engine(3, running=False), 2))
+    assert calls == [2]

@@ -96,6 +96,18 @@ def test_the_switch_is_followed_by_the_workers_eplb_graph():
     assert switch(executor(runner=SimpleNamespace())) == ("retired",)  # EPLB off on that runner: upstream only
 
 
+def test_the_compiled_state_is_kept_where_the_worker_says_its_graphs_hold_no_group_size():
+    resets = []
+    release = elastic_scaling.release_cuda_graphs(lambda self: resets.append(self))
+    kept = executor(runner=SimpleNamespace(eplb_graph=SimpleNamespace(keeps_graphs=True)))
+    assert release(kept) is None and resets == []  # nothing reset: Dynamo's and vLLM's compiled state stay
+    for not_kept in (executor(runner=SimpleNamespace(eplb_graph=SimpleNamespace(keeps_graphs=False))),
+                     executor(runner=SimpleNamespace())):  # asked to reset (KEEP_GRAPHS=0), or EPLB off
+        release(not_kept)
+        assert resets[-1] is not_kept
+    assert len(resets) == 2
+
+
 def test_the_adaptations_install_on_upstreams_executor_once():
     from vllm.distributed.elastic_ep import elastic_execute
 

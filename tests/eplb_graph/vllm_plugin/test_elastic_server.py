@@ -1,17 +1,21 @@
 """vLLM's elastic EP through the plugin: the OpenAI server of docs/quickstart-hf.md's elastic
 section, on a private Ray head, resized 2 -> 3 -> 2 through ``POST /scale_elastic_ep`` while a
 client keeps sending requests. Every request is answered with the tokens a one-process EPLB-off
-server gives (a request refused during the switch is retried); EPLB moves experts to the new
-engine (its bytes received on ``/metrics``) and keeps rearranging after each resize; sizes the
-group cannot take are answered 400 at once and serving goes on.
+server gives, each with its log-probability within ``LOGPROB_TOLERANCE`` of that server's (the tiny
+checkpoint's greedy text varies little; its log-probabilities show a wrong expert), a request
+refused during the switch retried; EPLB moves experts to the new
+engine (its bytes received on ``/metrics``) and keeps rearranging after each resize; no engine
+compiles a model graph while serving, through both resizes (the graphs are kept: each engine's
+compile watch on ``/metrics``, Inductor's caches off in the engines so a compile is never a cache
+hit the watch cannot see); sizes the group cannot take are answered 400 at once and serving goes on.
 
 A scale-up whose new engine never starts is answered with an error after the start bound
 (``EPLB_GRAPH_ELASTIC_START_TIMEOUT_S``; upstream would wait for it for good), the group serves on
 at its old size, and a later resize is refused naming the failure.
 
-Not proven here: that compiled graphs survive a resize (upstream's switch resets them on CPU,
-and this test counts the recompiles it causes rather than asserting none), DP 2 -> 4 (four
-engines beside the reference server do not fit this machine's two cores in the test's time)."""
+Not proven here: DP 2 -> 4 (four engines beside the reference server do not fit this machine's
+two cores in the test's time); that the compile watch counts upstream's recompiles where the graphs
+are not kept (``bench_vllm_elastic.py``'s reset arm does)."""
 
 from __future__ import annotations
 
@@ -42,6 +46,8 @@ PROMPTS = ["The quick brown fox", "Mixture of experts", "hello world", "graph mo
 MAX_TOKENS = 6
 RESIZE_TIMEOUT_S = 420
 RETRYABLE = (503,)  # vLLM's answer while the engines switch groups
+# float32 everywhere; DP and EP only change the order experts' outputs are summed in
+LOGPROB_TOLERANCE = 1e-3
 
 
 # Python runs ``sitecustomize`` in every process it starts (Ray's workers: the head's environment puts
@@ -65,8 +71,20 @@ def post(port: str, path: str, body: object, timeout: float) -> tuple[int, str]:
         return error.code, error.read().decode()
 
 
-def text(response: dict) -> str:
-    return response["choices"][0]["text"]
+def answer(port: str, model_dir: str, prompt: str) -> tuple[int, object]:
+    """(status, (text, each token's log-probability)) of a greedy completion, or (status, the error)."""
+    body = {"model": model_dir, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1}
+    status, raw = post(port, "/v1/completions", body, timeout=RESIZE_TIMEOUT_S)
+    if status != 200:
+        return status, raw
+    choice = json.loads(raw)["choices"][0]
+    return status, (choice["text"], choice["logprobs"]["token_logprobs"])
+
+
+def same_answer(got: object, reference: tuple[str, list[float]]) -> bool:
+    return (isinstance(got, tuple) and got[0] == reference[0]
+            and all(abs(a - b) <= LOGPROB_TOLERANCE for a, b in zip(got[1], reference[1], strict=True)))
 
 
 def metric_samples(port: str, family: str) -> list:
@@ -87,17 +105,15 @@ class Traffic(threading.Thread):
         super().__init__(daemon=True)
         self.port, self.model_dir = port, str(model_dir)
         self.stopping = threading.Event()
-        self.outcomes: list[tuple[str, int, str, int]] = []  # prompt, status, text or error, retries
+        self.outcomes: list[tuple[str, int, object, int]] = []  # prompt, status, answer or error, retries
 
-    def one(self, prompt: str) -> tuple[int, str, int]:
-        body = {"model": self.model_dir, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True}
+    def one(self, prompt: str) -> tuple[int, object, int]:
         for retries in range(600):
-            status, answer = post(self.port, "/v1/completions", body, timeout=RESIZE_TIMEOUT_S)
+            status, got = answer(self.port, self.model_dir, prompt)
             if status not in RETRYABLE:
-                return status, text(json.loads(answer)) if status == 200 else answer, retries
+                return status, got, retries
             self.stopping.wait(0.5)  # the switch is under way: vLLM asks to retry
-        return status, answer, retries
+        return status, got, retries
 
     def run(self) -> None:
         index = 0
@@ -123,10 +139,12 @@ def elastic(tmp_path_factory):
         off = start_server(off_command, model_dir, workdir / "off.log", off_port, eplb=False)
         server = start_server(server_command, model_dir, workdir / "elastic.log", port, eplb=True,
                               env_extra={**head.client_env,  # the private head's address over the quickstart's
-                                         "EPLB_GRAPH_ELASTIC_START_TIMEOUT_S": str(START_TIMEOUT_S)})
+                                         "EPLB_GRAPH_ELASTIC_START_TIMEOUT_S": str(START_TIMEOUT_S),
+                                         # Ray copies vLLM's variables and these prefixes only
+                                         "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY": "TORCHINDUCTOR_"})
         try:
             wait_until_ready(off)
-            reference = {prompt: text(completion(off, model_dir, prompt, MAX_TOKENS)) for prompt in PROMPTS}
+            reference = {prompt: answer(off.port, str(model_dir), prompt)[1] for prompt in PROMPTS}
             stop(off)
             wait_until_ready(server)
             yield SimpleNamespace(server=server, model_dir=model_dir, reference=reference, port=server.port,
@@ -141,16 +159,16 @@ def test_resizes_under_traffic_lose_nothing_and_eplb_follows_the_group(elastic):
     traffic = Traffic(port, elastic.model_dir)
     traffic.start()
     try:
-        status, answer = post(port, "/scale_elastic_ep", {"new_data_parallel_size": 3}, RESIZE_TIMEOUT_S)
-        assert status == 200, answer
+        status, reply = post(port, "/scale_elastic_ep", {"new_data_parallel_size": 3}, RESIZE_TIMEOUT_S)
+        assert status == 200, reply
         received = {}
         deadline = time.monotonic() + RESIZE_TIMEOUT_S
         while time.monotonic() < deadline and not received.get("2"):  # EPLB's reshuffle after the switch
             received = per_rank(port, "eplb_graph:expert_bytes_received")
             traffic.stopping.wait(1.0)
         assert received.get("2", 0) > 0, f"the new engine received no expert: {received}"
-        status, answer = post(port, "/scale_elastic_ep", {"new_data_parallel_size": 2}, RESIZE_TIMEOUT_S)
-        assert status == 200, answer
+        status, reply = post(port, "/scale_elastic_ep", {"new_data_parallel_size": 2}, RESIZE_TIMEOUT_S)
+        assert status == 200, reply
         served_after = len(traffic.outcomes)
         deadline = time.monotonic() + RESIZE_TIMEOUT_S
         while time.monotonic() < deadline and len(traffic.outcomes) < served_after + len(PROMPTS):
@@ -158,8 +176,8 @@ def test_resizes_under_traffic_lose_nothing_and_eplb_follows_the_group(elastic):
     finally:
         traffic.stopping.set()
         traffic.join(timeout=RESIZE_TIMEOUT_S)
-    wrong = [(prompt, status, answer) for prompt, status, answer, _ in traffic.outcomes
-             if status != 200 or answer != elastic.reference[prompt]]
+    wrong = [(prompt, status, got) for prompt, status, got, _ in traffic.outcomes
+             if status != 200 or not same_answer(got, elastic.reference[prompt])]
     assert not wrong, f"{len(wrong)} of {len(traffic.outcomes)} requests answered wrong or not at all: {wrong[:4]}"
     assert len(traffic.outcomes) >= 2 * len(PROMPTS)
     started = per_rank(port, "eplb_graph:rearrangements_started")
@@ -168,14 +186,16 @@ def test_resizes_under_traffic_lose_nothing_and_eplb_follows_the_group(elastic):
             <= started.get("0", 0):  # EPLB goes on in the resized group
         completion(elastic.server, elastic.model_dir, PROMPTS[1], MAX_TOKENS)
     assert per_rank(port, "eplb_graph:rearrangements_started")["0"] > started.get("0", 0)
+    compiled = per_rank(port, "eplb_graph:graphs_compiled_while_serving")
+    assert {"0", "1"} <= set(compiled) and not any(compiled.values()), f"graphs compiled while serving: {compiled}"
 
 
 def test_a_size_the_group_cannot_take_is_refused_at_once_and_serving_goes_on(elastic):
     for size in (1, 5):
-        status, answer = post(elastic.port, "/scale_elastic_ep", {"new_data_parallel_size": size}, 60)
-        assert status == 400 and "from 2 to 4" in answer, (size, status, answer)
+        status, refusal = post(elastic.port, "/scale_elastic_ep", {"new_data_parallel_size": size}, 60)
+        assert status == 400 and "from 2 to 4" in refusal, (size, status, refusal)
     prompt = PROMPTS[0]
-    assert text(completion(elastic.server, elastic.model_dir, prompt, MAX_TOKENS)) == elastic.reference[prompt]
+    assert same_answer(answer(elastic.port, str(elastic.model_dir), prompt)[1], elastic.reference[prompt])
 
 
 
@@ -183,11 +203,11 @@ def test_a_scale_up_whose_new_engine_never_starts_fails_in_bound_and_the_group_s
     """Last: after it, the server refuses every resize (upstream cannot undo a prepared one)."""
     elastic.fail_new_engines.touch()
     try:
-        status, answer = post(elastic.port, "/scale_elastic_ep", {"new_data_parallel_size": 3}, 4 * START_TIMEOUT_S)
+        status, reply = post(elastic.port, "/scale_elastic_ep", {"new_data_parallel_size": 3}, 4 * START_TIMEOUT_S)
     finally:
         elastic.fail_new_engines.unlink()
-    assert status == 500, (status, answer)  # vLLM's answer to a failed resize, after our bound
+    assert status == 500, (status, reply)  # vLLM's answer to a failed resize, after our bound
     for prompt in PROMPTS[:3]:
-        assert text(completion(elastic.server, elastic.model_dir, prompt, MAX_TOKENS)) == elastic.reference[prompt]
-    status, answer = post(elastic.port, "/scale_elastic_ep", {"new_data_parallel_size": 3}, 60)
-    assert status == 400 and "a resize failed part-way" in answer and "restart it" in answer, (status, answer)
+        assert same_answer(answer(elastic.port, str(elastic.model_dir), prompt)[1], elastic.reference[prompt])
+    status, reply = post(elastic.port, "/scale_elastic_ep", {"new_data_parallel_size": 3}, 60)
+    assert status == 400 and "a resize failed part-way" in reply and "restart it" in reply, (status, reply)
