@@ -171,10 +171,14 @@ def headline(record: dict) -> str:
                      f"{vllm_eplb['predicted_gain']}", ">= 1.15; -; >= 0.8", "`bench_vllm_eplb.py`"])
     vllm_elastic = record.get("vllm_elastic")
     if vllm_elastic:
-        pauses = ", ".join(f"{x['from']}->{x['to']} {x['request_to_serving_s']} ({x['pause_s']}; {x['recompiles']})"
-                           for x in vllm_elastic["resizes"] if x["arm"] == "reset")
-        rows.append([f"vLLM elastic EP (upstream's reset at the switch): request to serving, s (longest pause; "
-                     f"recompiles)", pauses, "kept / reset pause <= 0.5, 0 recompiles", "`bench_vllm_elastic.py`"])
+        arms = "; ".join(
+            f"{arm}: " + ", ".join(f"{x['from']}->{x['to']} {x['request_to_serving_s']} ({x['pause_s']}; "
+                                   f"{x['recompiles']})" for x in vllm_elastic["resizes"] if x["arm"] == arm)
+            for arm in ("kept", "reset") if any(x["arm"] == arm for x in vllm_elastic["resizes"]))
+        rows.append(["vLLM elastic EP, graphs kept / upstream's reset at the switch: request to serving, s (longest "
+                     "pause; recompiles); kept / reset median pause (A/A)",
+                     f"{arms}; {vllm_elastic.get('kept_over_reset_pause')} ({vllm_elastic.get('aa_ratio')})",
+                     "kept / reset pause <= 0.5, 0 recompiles", "`bench_vllm_elastic.py`"])
     kept = record.get("kept_placement")
     if kept:
         rows.append([f"vLLM {kept['layout']} restart, skewed router: balancedness of the first window, cold -> from "
