@@ -1,9 +1,10 @@
 """An elastic EP group: this member's gloo groups, one generation at a time, the next built beside.
 
 Generation ``g``'s members are announced in the run's TCP store (``protocol.Board``); a
-member that is in it builds the generation's gloo groups from the same store (upstream's
+member that is in it builds the generation's gloo groups from the same store (as upstream's
 stateless ``init_gloo_process_group``: no default process group, so groups of different
-sizes can be built while one serves). The next generation is built on a thread
+sizes can be built while one serves), each listening on ``gloo_host`` alone
+(``gloo_process_group``). The next generation is built on a thread
 (``StandbyBuild``) while the current one serves; ``switch_`` makes it current between two
 steps. ``ElasticEpGroup`` is also the slot the EP collective ops resolve by name
 (``custom_ops/ep_collectives.py``), so every graph follows the switch; it counts the
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 
 from eplb_graph.custom_ops import EP_GROUPS
@@ -93,14 +95,30 @@ class StandbyBuild:
             self._given_up, self._groups = True, None
 
 
+def gloo_process_group(store: dist.Store, rank: int, size: int, timeout: timedelta, host: str) -> dist.ProcessGroup:
+    """A stateless gloo group (no default process group) whose listener is on ``host``: gloo's default
+    device listens on the address the machine's hostname resolves to, whatever the store's."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    backend = dist.ProcessGroupGloo(store, rank, size, options)
+    group = dist.ProcessGroup(store, rank, size)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    backend._set_sequence_number_for_group()
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
 class ElasticEpGroup:
     """This member's EP group now, and the next generation while it is being built."""
 
     def __init__(self, name: str, board: Board, member: int, max_size: int, *, timeout_s: float = 60.0,
-                 eplb_group: bool = False) -> None:
+                 eplb_group: bool = False, gloo_host: str = "127.0.0.1") -> None:
         """``board``: this member's client of the run's store (each build gets a clone of its own).
-        ``eplb_group``: every generation of two or more members also builds a group for the EPLB worker."""
+        ``eplb_group``: every generation of two or more members also builds a group for the EPLB worker.
+        ``gloo_host``: where its groups listen (``store.address_towards`` the run's store)."""
         self.name, self.board, self.member, self.max_size = name, board, member, max_size
+        self.gloo_host = gloo_host
         self.with_eplb_group = eplb_group
         self.timeout = timedelta(seconds=timeout_s)
         self.generation: Generation | None = None
@@ -149,14 +167,13 @@ class ElasticEpGroup:
                              f"the group's maximum {self.max_size}")
         if generation.size == 1:
             return None
-        from vllm.distributed.utils import init_gloo_process_group
-
         rank = generation.rank_of(self.member)
-        ep = init_gloo_process_group(board.gloo_store(generation.index, "pg"), rank, generation.size, self.timeout)
+        ep = gloo_process_group(board.gloo_store(generation.index, "pg"), rank, generation.size, self.timeout,
+                                self.gloo_host)
         eplb = None
         if self.with_eplb_group:
-            eplb = init_gloo_process_group(board.gloo_store(generation.index, "eplb"), rank, generation.size,
-                                           self.timeout)
+            eplb = gloo_process_group(board.gloo_store(generation.index, "eplb"), rank, generation.size,
+                                      self.timeout, self.gloo_host)
         return GenerationGroups(ep, eplb)
 
     def build_standby(self, generation: Generation, after_build: Callable[[dist.ProcessGroup], None] | None = None) -> None:

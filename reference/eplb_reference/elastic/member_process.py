@@ -32,6 +32,7 @@ from eplb_reference.elastic.member_transitions import POLL_S, MemberTransitions,
 from eplb_reference.elastic.protocol import STOP, Board, Generation, Phase, Release, Switched
 from eplb_reference.elastic.spec import ElasticSpec, MemberResult
 from eplb_reference.elastic.stack import build_elastic_models, receive_state
+from eplb_reference.elastic.store import address_towards
 
 
 class Leaving(Exception):
@@ -48,7 +49,8 @@ class ElasticMember(MemberTransitions):
                  offer: bool = False) -> None:
         self.member, self.spec, self.cfg, self.board = member, spec, spec.cfg, board
         self.group = ElasticEpGroup(spec.group_name, board, member, spec.max_ranks, timeout_s=spec.timeout_s,
-                                    eplb_group=spec.cfg.eplb)
+                                    eplb_group=spec.cfg.eplb,
+                                    gloo_host=address_towards(spec.store_host, spec.store_port))
         self.alive = KeepAliveThread(board, member, spec.beat_s, self.group.counted).start()
         self.result = MemberResult(member)
         self.pending: Pending | None = None

@@ -4,6 +4,9 @@ torch's ``TCPStore`` listens on every interface whatever host it is given (the h
 clients connect): a socket bound here first, and handed over as ``master_listen_fd``, makes it
 listen on that address alone. Loopback unless the operator says otherwise (``serve --host``); any
 other address is logged once, naming what it exposes (SECURITY.md).
+
+A member's gloo groups listen where it reaches the store from (``address_towards``): gloo's default
+device listens on whatever the machine's hostname resolves to, a public address on many hosts.
 """
 
 from __future__ import annotations
@@ -41,3 +44,14 @@ def listening_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
                              timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
     finally:
         listener.close()  # after detach(): closes nothing, the store owns the descriptor
+
+
+def address_towards(host: str, port: int) -> str:
+    """The local address this machine reaches ``host:port`` from (no packet is sent): loopback for a
+    store on loopback, else the address of the route to it, where the other members reach this one."""
+    if is_loopback(host):
+        return "127.0.0.1"
+    family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind) as probe:
+        probe.connect(address)  # a datagram socket's connect only picks the route
+        return probe.getsockname()[0]

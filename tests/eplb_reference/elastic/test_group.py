@@ -8,6 +8,7 @@ The multi-process switch 2 -> 4 -> 2 runs in ``test_scripted.py``.
 import gc
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -136,3 +137,73 @@ def test_aborting_a_group_fails_a_peer_inside_its_collective_at_once_without_a_c
         for group in groups:
             group.leave()
     assert failed and failed[0][0] - aborted < 10, failed  # the collective's own timeout is 60 s
+
+
+def listening(address_family=None) -> set[tuple[str, int]]:
+    """This process's listening TCP sockets, read from the kernel (psutil), not assumed."""
+    import psutil
+
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def public_interface() -> tuple[str, str] | None:
+    """(name, IPv4 address) of an interface that is not loopback, where this machine has one."""
+    import ipaddress
+
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        for address in addresses:
+            if address.family.name == "AF_INET" and not ipaddress.ip_address(address.address).is_loopback:
+                return name, address.address
+    return None
+
+
+def build_two(board, prefix: str, **kwargs) -> list[ElasticEpGroup]:
+    groups = [ElasticEpGroup(f"{prefix}-{m}", board.clone(), member=m, max_size=2, timeout_s=60, **kwargs)
+              for m in (0, 1)]
+    built = [threading.Thread(target=g.switch_when_built, args=(Generation(0, (0, 1)), lambda: False)) for g in groups]
+    for thread in built:
+        thread.start()
+    for thread in built:
+        thread.join(60)
+    return groups
+
+
+def test_the_groups_listen_on_the_members_host_alone_where_gloos_default_would_expose_them(board, monkeypatch):
+    """gloo's default device listens where the hostname resolves or ``GLOO_SOCKET_IFNAME`` points:
+    pointed at a public interface here, upstream's stateless group listens there, ours on loopback."""
+    public = public_interface()
+    if public is None:
+        pytest.skip("this machine has no interface but loopback to point gloo's default at")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", public[0])
+    before = listening()
+    groups = build_two(board, "g-listen")
+    try:
+        opened = listening() - before
+        assert opened and all(host == "127.0.0.1" for host, _ in opened), opened
+        total = torch.ones(1)
+        done = threading.Thread(target=lambda: dist.all_reduce(total, group=groups[1].process_group))
+        done.start()
+        dist.all_reduce(torch.ones(1), group=groups[0].process_group)
+        done.join(30)
+        assert total.item() == 2.0  # the members reach each other there
+    finally:
+        for group in groups:
+            group.leave()
+    from vllm.distributed.utils import init_gloo_process_group  # what the group would get by default
+
+    before = listening()
+    stores = [board.clone().gloo_store(9, "default") for _ in (0, 1)]
+    defaults = [None, None]
+
+    def build(rank: int) -> None:
+        defaults[rank] = init_gloo_process_group(stores[rank], rank, 2, timedelta(seconds=60))
+
+    threads = [threading.Thread(target=build, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert any(host == public[1] for host, _ in listening() - before)  # the test can tell the difference
