@@ -48,7 +48,10 @@ class EpGroupSlot(Protocol):
     max_size: int  # fixed for the slot's life: every graph's shapes are sized by it
 
     def current(self) -> tuple[dist.ProcessGroup | None, int, int]:
-        """(process group, this process's rank in it, its size) now; None for a group of one."""
+        """(process group, this process's rank in it, its size) now. The group is None for a group of
+        one, or, for the ``v`` ops' slots, a rank that runs alone while the others serve (vLLM's new
+        engine compiling before it joins): they then communicate nothing, every other member's rows
+        taken as zeros."""
         ...
 
 
@@ -165,8 +168,10 @@ def ep_all_gatherv(tensors: list[torch.Tensor], group: str) -> list[torch.Tensor
         if x.shape[0] != counts[rank]:
             raise RuntimeError(f"group {group!r}: rank {rank} holds {x.shape[0]} rows, but the step's token "
                                f"counts {counts} say {counts[rank]}")
-        if pg is None:
-            gathered.append(x.clone())
+        if pg is None:  # alone: the other members' rows are zeros (a rank warming up alone, see current())
+            alone = x.new_zeros((sum(counts), *x.shape[1:]))  # [sum(counts), ...]
+            alone[sum(counts[:rank]) : sum(counts[: rank + 1])] = x
+            gathered.append(alone)
             continue
         padded = x.new_zeros((max(counts), *x.shape[1:]))  # [max(counts), ...]
         padded[: x.shape[0]] = x

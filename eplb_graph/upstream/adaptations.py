@@ -351,7 +351,8 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
                "a stateless group", _vllm_elastic, _fn("self", "dp_group", "ep_group")),
     Adaptation("elastic_scaling.warmup_new_worker", ELASTIC_EXECUTE, "ElasticEPScalingExecutor.warmup_new_worker",
                "replace", "a new engine skips upstream's kernel warm-up, as the CPU worker does at start (it imports "
-               "CUDA models' warm-ups)", _vllm_elastic, _fn("self")),
+               "CUDA models' warm-ups); where graphs are kept it compiles alone before joining, not at the commit "
+               "while every engine waits", _vllm_elastic, _fn("self")),
     Adaptation("elastic_scaling.warm_and_capture", ELASTIC_EXECUTE, "ElasticEPScalingExecutor.warm_and_capture",
                "wrap", "creates upstream's (empty) workspace manager the re-warm unlocks and locks: the CPU worker never "
                "creates one", _vllm_elastic, _fn("self")),

@@ -19,8 +19,8 @@ read them there) are bound on those instances, and a graph holds no value of the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -59,9 +59,24 @@ class VllmGroupSlot:
                  token_counts: Callable[[], list[int]]) -> None:
         self.device_group, self.rank, self.max_size = device_group, rank, size
         self.token_counts = token_counts
+        self.running_alone = False  # see alone()
 
     def current(self) -> tuple[dist.ProcessGroup | None, int, int]:
-        return (self.device_group if self.max_size > 1 else None), self.rank, self.max_size
+        together = self.max_size > 1 and not self.running_alone
+        return (self.device_group if together else None), self.rank, self.max_size
+
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        """This rank's forwards communicate nothing, the other members' rows taken as zeros, while the
+        group keeps its size: a graph traced here is the one the group runs together (a new engine
+        of vLLM's elastic EP compiles so before it joins, while the others serve)."""
+        if self.running_alone:
+            raise DpDispatchError("the DP dispatch already runs alone")
+        self.running_alone = True
+        try:
+            yield
+        finally:
+            self.running_alone = False
 
 
 class VariableSizeCollectives:

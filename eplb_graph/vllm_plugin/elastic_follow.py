@@ -10,11 +10,16 @@ count when it runs (``dp_dispatch``), the experts read the layer's live ``expert
 argument the graph passes through) and find the layer's experts by name (``LocalPairExperts``).
 So upstream's reset of the compiled state at a switch (``_release_cuda_graphs``) is skipped on
 CPU (``keeps_graphs``; ``EPLB_GRAPH_ELASTIC_KEEP_GRAPHS=0`` leaves it to upstream).
+
+For the same reason a new engine can compile its graphs alone, before it joins (``warm_alone``):
+the graph it traces communicating nothing is the one it runs in the group, so the commit's
+collective warm-up, which pauses every engine, runs compiled code instead of a first compile.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from eplb_graph.upstream import patches
@@ -88,3 +93,18 @@ def after_switch(worker: VllmEplbWorker) -> None:
         worker.dp_dispatch.unbind()
         worker.dp_dispatch = bind_dp_dispatch(worker.runner.parallel_config, worker.moe_runners())
     worker.local_experts = {key: experts.rebind() for key, experts in worker.local_experts.items()}
+
+
+def warm_alone(worker: VllmEplbWorker, warm: Callable[[], None]) -> None:
+    """A new engine's ``warm`` (upstream's warm-up forward, which compiles) run before the engine
+    joins, while the others serve: DP coordination skipped (upstream's own switch for a rank warming
+    up alone) and the DP dispatch communicating nothing, the group's size unchanged. Any compile
+    after it (at the commit, or serving) is one the compile watch reports."""
+    from vllm.v1.worker.dp_utils import skip_dp_coordination
+
+    if worker.dp_dispatch is None:
+        raise RuntimeError("eplb-graph: a new engine of vLLM's elastic EP without a DP dispatch to run alone")
+    with skip_dp_coordination(), worker.dp_dispatch.slot.alone():
+        warm()
+    if worker.compile_watch is not None:
+        worker.compile_watch.start(after="the end of its warm-up alone")

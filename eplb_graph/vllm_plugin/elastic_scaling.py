@@ -13,7 +13,9 @@ would serve wrong tokens silently:
 * the new groups are warmed with ``torch.distributed.all_reduce`` on a stateless group, which c10d
   never registered: the all-reduce runs on the group's own process group (``warm_target_groups``);
 * a new engine's warm-up runs upstream's kernel warm-up, which imports CUDA models and which the
-  CPU worker never runs at start (``warmup_new_worker``);
+  CPU worker never runs at start; where the graphs are kept, it compiles the model alone instead,
+  before it joins (``warmup_new_worker`` -> ``elastic_follow.warm_alone``): upstream would compile
+  it at the commit's collective warm-up, every engine paused until it is done;
 * the re-warm after a switch unlocks and locks a workspace manager the CPU worker never creates:
   upstream's manager is created, empty, first (``warm_and_capture``);
 * after the switch the EP group, its DP dispatch and each layer's experts are new objects: the
@@ -34,6 +36,8 @@ import functools
 import torch
 
 from eplb_graph.upstream import patches
+
+from . import elastic_follow
 
 KEYS = ("elastic_scaling.load_model", "elastic_scaling.batch_transfer_weights",
         "elastic_scaling.warm_target_groups", "elastic_scaling.warmup_new_worker",
@@ -73,6 +77,10 @@ def warmup_new_worker(upstream):
         # no kernel warm-up: the CPU worker runs none at start either (upstream's imports CUDA models')
         if self._can_reuse_fused_moe_kernel():
             self.warm_and_capture()
+            return
+        bound = getattr(self.worker.model_runner, "eplb_graph", None)
+        if bound is not None and bound.keeps_graphs:  # compiled now, not at the commit while all wait
+            elastic_follow.warm_alone(bound, self.warm_and_capture)
 
     return warmup_new_worker
 

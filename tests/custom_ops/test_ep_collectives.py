@@ -110,6 +110,11 @@ def dispatch(hidden, ids, group: str):
     return torch.ops.eplb_graph.ep_reduce_scatterv(summed, hidden.shape[0], group)
 
 
+def joining_dispatch(hidden, ids, group: str):
+    """``dispatch`` under a code object of its own, so its graphs are compiled apart."""
+    return dispatch(hidden, ids, group)
+
+
 class GroupSlot:
     """A slot over a real process group, whose ranks hold ``counts`` tokens in the step."""
 
@@ -141,9 +146,19 @@ def variable_size_rank(rank, world_size, init_method):
         slot.pg, slot.rank, slot.max_size, slot.counts = dist.group.WORLD, rank, world_size, SIZES
         together_out = compiled(hidden, ids, "test-ep-v")
         compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+        # a graph built by a rank alone in the group of two (vLLM's new engine before it joins: no
+        # process group, every rank's count its own) serves the group
+        slot.pg, slot.counts = None, [SIZES[rank]] * world_size
+        joining = torch.compile(joining_dispatch, backend="aot_eager", dynamic=True, fullgraph=True)
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        before_joining_out = joining(hidden, ids, "test-ep-v")
+        slot.pg, slot.counts = dist.group.WORLD, SIZES
+        joined_out = joining(hidden, ids, "test-ep-v")
+        joining_compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
         return ([(str(t.dtype), tuple(t.shape), t.float().tolist()) for t in gathered],
                 (str(own.dtype), tuple(own.shape), own.tolist()),
-                (alone_out.tolist(), together_out.tolist(), compiles))
+                (alone_out.tolist(), together_out.tolist(), compiles),
+                (before_joining_out.tolist(), joined_out.tolist(), joining_compiles))
     finally:
         EP_GROUPS.unregister("test-ep-v")
         dist.destroy_process_group()
@@ -157,7 +172,7 @@ def test_the_variable_size_ops_over_two_gloo_ranks_with_unequal_token_counts():
     total = sum(rank_parts(rank) for rank in range(2))  # [8, 3]
     everyone = [torch.cat(parts) for parts in zip(*(rank_tensors(rank) for rank in range(2)))]
     gathered_sum = everyone[0] * 2 + everyone[2].sum(1, keepdim=True)  # what dispatch sums on each rank
-    for rank, (gathered, own, (alone_out, together_out, compiles)) in enumerate(results):
+    for rank, (gathered, own, (alone_out, together_out, compiles), joining) in enumerate(results):
         assert [(dtype, shape) for dtype, shape, _ in gathered] == [
             (str(t.dtype), (sum(SIZES), *t.shape[1:])) for t in expected]
         assert [values for _, _, values in gathered] == [t.float().tolist() for t in expected]
@@ -167,6 +182,7 @@ def test_the_variable_size_ops_over_two_gloo_ranks_with_unequal_token_counts():
         assert alone_out == (hidden * 2 + ids.sum(1, keepdim=True)).tolist()
         assert together_out == (2 * gathered_sum[start : start + SIZES[rank]]).tolist()  # both ranks' sum
         assert compiles == 1
+        assert joining == (alone_out, together_out, 1)
 
 
 class CountedSlot(Slot):
@@ -196,6 +212,16 @@ def test_the_variable_size_ops_are_the_identity_for_a_group_of_one(counted):
                for out, x in zip(gathered, (hidden, weights, ids)))
     own = torch.ops.eplb_graph.ep_reduce_scatterv(hidden, 3, "test-ep-counted")
     assert torch.equal(own, hidden) and own.data_ptr() != hidden.data_ptr()
+
+
+def test_a_rank_alone_in_a_group_of_several_takes_the_others_rows_as_zeros(counted):
+    """No process group while the size stays: vLLM's new engine warming up before it joins."""
+    counted.counts, counted.rank, counted.size = [2, 3, 1], 1, 3
+    x = torch.arange(6, dtype=torch.float32).view(3, 2) + 1
+    (gathered,) = torch.ops.eplb_graph.ep_all_gatherv([x], "test-ep-counted")
+    assert torch.equal(gathered, torch.cat([torch.zeros(2, 2), x, torch.zeros(1, 2)]))
+    own = torch.ops.eplb_graph.ep_reduce_scatterv(gathered * 2, 3, "test-ep-counted")  # nothing summed in
+    assert torch.equal(own, x * 2)
 
 
 def test_counts_that_do_not_name_every_member_are_refused(counted):

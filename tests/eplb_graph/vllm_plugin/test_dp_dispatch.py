@@ -194,6 +194,25 @@ def test_a_compiled_dispatch_holds_no_count_and_serves_others_without_recompilin
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
 
 
+def test_alone_the_slot_keeps_its_rank_and_size_and_names_no_group():
+    """vLLM's new engine compiling before it joins (``elastic_follow.warm_alone``)."""
+    group = coordinator(name="dp-alone")
+    group.device_communicator.device_group = pg = object()
+    group.rank_in_group, group.world_size = 2, 3
+    collectives = VariableSizeCollectives(group, "vllm:dp-alone", token_counts=Counts([1, 1, 1]))
+    try:
+        slot = collectives.slot
+        assert slot.current() == (pg, 2, 3)
+        with pytest.raises(ValueError, match="boom"), slot.alone():
+            assert slot.current() == (None, 2, 3)
+            with pytest.raises(DpDispatchError, match="already runs alone"), slot.alone():
+                pass
+            raise ValueError("boom")
+        assert slot.current() == (pg, 2, 3)  # together again, whatever the warm-up raised
+    finally:
+        collectives.unbind()
+
+
 def test_one_dp_rank_binds_nothing_and_never_reads_vllms_distributed_state(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", None)  # importing it would raise
     assert bind_dp_dispatch(SimpleNamespace(data_parallel_size=1)) is None

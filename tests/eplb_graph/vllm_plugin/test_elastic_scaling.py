@@ -4,6 +4,7 @@ resize does end to end is test_elastic_server.py's."""
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -70,6 +71,30 @@ def test_a_new_engine_skips_upstreams_kernel_warm_up(reuse):
     scaling = executor(reuse)
     warm(scaling)
     assert [name for name, *_ in scaling.worker.calls] == (["warmed"] if reuse else [])
+
+
+def test_where_graphs_are_kept_a_new_engine_compiles_alone_before_it_joins():
+    """Its warm-up forward runs before the commit, DP coordination skipped and the dispatch alone; the
+    compile watch starts after it, so a compile at the commit is reported as one while serving."""
+    from vllm.v1.worker.dp_utils import should_skip_dp_coordination
+
+    from eplb_graph.vllm_plugin.compile_watch import CompileWatch
+    from eplb_graph.vllm_plugin.dp_dispatch import VllmGroupSlot
+
+    slot = VllmGroupSlot(device_group=object(), rank=2, size=3, token_counts=lambda: [1, 1, 1])
+    watch = CompileWatch(lambda: 4, logging.getLogger("test"))
+    bound = SimpleNamespace(keeps_graphs=True, dp_dispatch=SimpleNamespace(slot=slot), compile_watch=watch)
+    scaling = executor(runner=SimpleNamespace(eplb_graph=bound))
+    seen = []
+    scaling.warm_and_capture = lambda: seen.append((should_skip_dp_coordination(), slot.current(),
+                                                     watch.since_start()))
+    elastic_scaling.warmup_new_worker(None)(scaling)
+    assert seen == [(True, (None, 2, 3), None)]  # alone, the group's size kept; the watch not yet started
+    assert slot.current()[0] is slot.device_group and not should_skip_dp_coordination()
+    assert watch.since_start() == 0
+    bound.keeps_graphs = False  # upstream resets the graphs at the switch: nothing to compile before it
+    elastic_scaling.warmup_new_worker(None)(scaling)
+    assert len(seen) == 1
 
 
 def test_the_re_warm_gets_the_workspace_manager_it_locks(monkeypatch):

@@ -98,6 +98,12 @@ def per_rank(port: str, family: str) -> dict[str, float]:
     return {s.labels["ep_rank"]: s.value for s in metric_samples(port, family) if s.name.endswith("_total")}
 
 
+def watch_started(log: Path, after: str) -> str:
+    """The server log's lines (Ray forwards the engines') where a worker's compile watch started ``after``."""
+    return "\n".join(line for line in log.read_text(errors="replace").splitlines()
+                     if f"watching for compiles from {after} on" in line)
+
+
 class Traffic(threading.Thread):
     """Sends the prompts round and round until stopped, retrying a retryable refusal; keeps every outcome."""
 
@@ -148,6 +154,7 @@ def elastic(tmp_path_factory):
             stop(off)
             wait_until_ready(server)
             yield SimpleNamespace(server=server, model_dir=model_dir, reference=reference, port=server.port,
+                                  log=workdir / "elastic.log",
                                   fail_new_engines=marker)
         finally:
             stop(off)
@@ -167,6 +174,10 @@ def test_resizes_under_traffic_lose_nothing_and_eplb_follows_the_group(elastic):
             received = per_rank(port, "eplb_graph:expert_bytes_received")
             traffic.stopping.wait(1.0)
         assert received.get("2", 0) > 0, f"the new engine received no expert: {received}"
+        # the new engine compiled alone before it joined: none at the commit, none since (its watch's start)
+        assert "Worker_DP2_EP2" in watch_started(elastic.log, "the end of its warm-up alone")
+        compiled = per_rank(port, "eplb_graph:graphs_compiled_while_serving")
+        assert compiled.get("2") == 0, f"graphs compiled while serving: {compiled}"
         status, reply = post(port, "/scale_elastic_ep", {"new_data_parallel_size": 2}, RESIZE_TIMEOUT_S)
         assert status == 200, reply
         served_after = len(traffic.outcomes)
