@@ -55,6 +55,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="requests that generate or resize at once; one more is answered 503")
     serve.add_argument("--store-port", type=int, default=0,
                        help="the coordinator's TCP store port, for `eplb-graph join` (default: any free port, logged)")
+    serve.add_argument("--secret-file", default=None, metavar="PATH",
+                       help="the run's secret (mode 600): read if PATH exists, else generated and written there for "
+                            "`join --secret-file` on other machines; or set EPLB_GRAPH_RUN_SECRET. Without either, "
+                            "a secret in memory: only the members serve starts can join")
     add_elastic_arguments(serve)
 
 
@@ -62,6 +66,9 @@ def add_join_arguments(join: argparse.ArgumentParser) -> None:
     join.add_argument("--store", required=True, metavar="HOST:PORT", help="the coordinator's TCP store")
     join.add_argument("--name", default="ep", help="the run's name in the store")
     join.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the store and the run's spec")
+    join.add_argument("--secret-file", default=None, metavar="PATH",
+                      help="the run's secret (the file `serve --secret-file` wrote, copied with mode 600); or set "
+                           "EPLB_GRAPH_RUN_SECRET")
 
 
 def log_to_stderr() -> None:
@@ -133,8 +140,10 @@ def serve_command(args: argparse.Namespace) -> int:
     from eplb_reference.elastic.server import ElasticServer
 
     from eplb_reference.elastic.http_access import load_api_key
+    from eplb_reference.elastic.protocol import RunSecret
 
     api_key = load_api_key(args.api_key_file, os.environ)  # an ApiKeyError (a ValueError) before anything starts
+    secret = RunSecret.load(args.secret_file, os.environ, create=True)
     if args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be at least 1, not {args.max_concurrency}")
     config = run_config(args, steps=1)
@@ -142,16 +151,19 @@ def serve_command(args: argparse.Namespace) -> int:
     max_ranks = config.ranks if args.max_ranks is None else args.max_ranks
     log_to_stderr()
     server = ElasticServer(config, max_ranks, deadline_s=args.resize_deadline, hang_s=args.hang_timeout,
-                           host=args.store_host, store_port=args.store_port)
+                           host=args.store_host, store_port=args.store_port, secret=secret)
+    joining = (f"`eplb-graph join --store {server.spec.store_host}:{server.spec.store_port} --secret-file "
+               f"{args.secret_file}`" if args.secret_file else "the run's secret (none given: --secret-file)")
     print(f"eplb-graph serve: {config.ranks} EP ranks (up to {max_ranks}) on http://{args.host}:{args.port}; "
-          f"members join with `eplb-graph join --store {server.spec.store_host}:{server.spec.store_port}`",
-          file=sys.stderr)
+          f"members join with {joining}", file=sys.stderr)
     serve(server, args.host, args.port, api_key=api_key, max_concurrency=args.max_concurrency)
     return 0
 
 
 def join_command(args: argparse.Namespace) -> int:
     from eplb_reference.elastic.join import join
+    from eplb_reference.elastic.protocol import RunSecret
 
+    secret = RunSecret.load(args.secret_file, os.environ, create=False)  # refused before any connection
     log_to_stderr()
-    return join(args.store, name=args.name, timeout_s=args.timeout)
+    return join(args.store, secret, name=args.name, timeout_s=args.timeout)

@@ -21,7 +21,7 @@ from dataclasses import replace
 from eplb_reference.elastic.liveness import FailureDetector
 from eplb_reference.elastic.processes import MemberProcesses
 from eplb_reference.elastic.records import Events, Fault, ResizeRequest
-from eplb_reference.elastic.protocol import STOP, Abandoned, Board, Generation, Release, Switched
+from eplb_reference.elastic.protocol import STOP, Abandoned, Board, Generation, Release, RunSecret, Switched
 from eplb_reference.elastic.reshuffle import check_new_size
 from eplb_reference.elastic.spec import ElasticSpec
 from eplb_reference.elastic.store import listening_store
@@ -31,15 +31,17 @@ log = logging.getLogger("eplb_graph.elastic.coordinator")
 
 class Coordinator:
     def __init__(self, spec: ElasticSpec, *, spares: int = 0, recover_failures: bool = False,
-                 startup_s: float = 300.0) -> None:
+                 startup_s: float = 300.0, secret: RunSecret | None = None) -> None:
         """``spec.store_port`` 0: the store takes a free port, and the spec the members get names it.
         ``recover_failures``: a member that reports an error is recovered from as a death (the
-        server); otherwise it fails the run (``failures``)."""
+        server); otherwise it fails the run (``failures``). ``secret``: the run's (``proof.py``),
+        generated when not given; the members started here get it."""
         self.store = listening_store(spec.store_host, spec.store_port, spec.timeout_s)
         self.spec = replace(spec, store_port=self.store.port)
-        self.board = Board(self.store, spec.name)
+        self.secret = secret or RunSecret.generate()
+        self.board = Board(self.store, spec.name, self.secret)
         self.board.publish_spec(self.spec.to_json())
-        self.processes = MemberProcesses(self.spec)
+        self.processes = MemberProcesses(self.spec, self.secret)
         self.detector = FailureDetector(self.board, self.spec.hang_s, startup_s)
         self.spares_wanted, self.recover_failures = spares, recover_failures
         self.num_local = spec.cfg.num_physical // spec.cfg.ranks

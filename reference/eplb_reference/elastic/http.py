@@ -122,7 +122,7 @@ def metrics_text(server) -> str:
         "eplb_graph_members_fenced_total": ("members found hung (silent, or their main thread still) and fenced",
                                             stats.members_fenced),
         "eplb_graph_requests_completed_total": ("requests finished", stats.requests_completed),
-        "eplb_graph_store_values_dropped_total": ("malformed store values dropped, never acted on",
+        "eplb_graph_store_values_dropped_total": ("unproven or malformed store values dropped, never acted on",
                                                   stats.store_values_dropped),
         "eplb_graph_requests_requeued_total": ("requests re-queued from a member that left or died",
                                                stats.requests_requeued),

@@ -17,7 +17,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from eplb_reference.elastic.processes import member_main
-from eplb_reference.elastic.protocol import Board
+from eplb_reference.elastic.protocol import Board, RunSecret
+from eplb_reference.elastic.protocol.proof import Unproven
 from eplb_reference.elastic.spec import ElasticSpec
 
 log = logging.getLogger("eplb_graph.elastic.join")
@@ -31,16 +32,22 @@ def parse_store(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def join(store: str, *, name: str = "ep", timeout_s: float = 60.0) -> int:
-    """Joins the run whose store is at ``store`` as a spare; the member's exit code."""
+def join(store: str, secret: RunSecret, *, name: str = "ep", timeout_s: float = 60.0) -> int:
+    """Joins the run whose store is at ``store`` as a spare, proving itself with the run's ``secret``;
+    the member's exit code."""
     host, port = parse_store(store)
     try:
         client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistStoreError) as error:
         raise ValueError(f"--store {store}: no elastic run's store answers there ({error})") from None
-    board = Board(client, name)
-    spec = ElasticSpec.from_json(board.spec_text(timeout_s), store_host=host)
+    board = Board(client, name, secret)
+    try:
+        spec_text = board.spec_text(timeout_s)
+    except Unproven:
+        raise ValueError(f"--store {store}: run {name!r}'s spec there is not sealed with the secret given: a wrong "
+                         f"secret (--secret-file or EPLB_GRAPH_RUN_SECRET)") from None
+    spec = ElasticSpec.from_json(spec_text, store_host=host)
     member = board.new_member_id()
     print(f"eplb-graph join: member {member} of run {name!r} ({spec.cfg.ranks} founding ranks, up to "
           f"{spec.max_ranks}) from {socket.gethostname()}", file=sys.stderr)
-    return member_main(member, spec, None, spec.connect(), offer=True)
+    return member_main(member, spec, None, spec.connect(secret), offer=True)

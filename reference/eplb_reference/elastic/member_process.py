@@ -147,6 +147,7 @@ class ElasticMember(MemberTransitions):
         self.result.recompiles = unique_graphs() - self.graphs_after_warmup
         self.group.leave()
         self.alive.stop()  # its keys are the coordinator's to forget once it reports
+        self.result.store_values_dropped = dict(self.board.skipped + self.alive.board.skipped)
         return self.result
 
     def _one_step(self) -> bool:

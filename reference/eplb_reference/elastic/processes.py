@@ -25,24 +25,24 @@ from multiprocessing.process import BaseProcess
 import torch
 
 from eplb_reference.elastic.member_faults import install_member_faults
-from eplb_reference.elastic.protocol import Board
+from eplb_reference.elastic.protocol import Board, RunSecret
 from eplb_reference.elastic.spec import ElasticSpec
 from eplb_reference.runtime.process_start import LauncherState, process_context, start_fork_server
 
 log = logging.getLogger("eplb_graph.elastic.processes")
 
 
-def member_main(member: int, spec: ElasticSpec, first_generation: int | None, board: Board | None = None, *,
+def member_main(member: int, spec: ElasticSpec, first_generation: int | None, board: Board, *,
                 offer: bool = False) -> int:
     """A member's whole life in this process; returns the exit code (0: reported, 1: failed).
-    ``offer``: a spare started from outside the coordinator's process tree (``join.py``)."""
+    ``board``: its client of the run's store, with the run's secret. ``offer``: a spare started
+    from outside the coordinator's process tree (``join.py``)."""
     from eplb_reference.elastic.eplb import elastic_eplb_session
     from eplb_reference.elastic.member_process import Leaving
     from eplb_reference.elastic.scripted_member import ScriptedMember
     from eplb_reference.elastic.serving import ServingMember
 
     faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack
-    board = board or spec.connect()
     if spec.chaos:
         install_member_faults()
     torch.set_num_threads(1)
@@ -59,11 +59,12 @@ def member_main(member: int, spec: ElasticSpec, first_generation: int | None, bo
     return 0
 
 
-def _child(member: int, spec: ElasticSpec, first_generation: int | None, launcher: LauncherState) -> None:
+def _child(member: int, spec: ElasticSpec, first_generation: int | None, launcher: LauncherState,
+           secret: RunSecret) -> None:
     launcher.apply()
     # Ctrl-C reaches the whole process group; the coordinator answers it and stops every member
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    code = member_main(member, spec, first_generation)
+    code = member_main(member, spec, first_generation, spec.connect(secret))
     # the interpreter's exit handlers (multiprocessing's unregister this process's semaphores), then
     # out: not the teardown of native threads a group given up may still block in (it aborts the
     # process), nor the last collection over torch's and vLLM's objects
@@ -76,8 +77,8 @@ def _child(member: int, spec: ElasticSpec, first_generation: int | None, launche
 class MemberProcesses:
     """The coordinator's children, by member id."""
 
-    def __init__(self, spec: ElasticSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: ElasticSpec, secret: RunSecret) -> None:
+        self.spec, self.secret = spec, secret  # the secret reaches a child through its arguments (a pipe)
         self.ctx = process_context()
         self.children: dict[int, BaseProcess] = {}
         # members that offered themselves from outside: never signalled (the pid an offer names is
@@ -91,7 +92,8 @@ class MemberProcesses:
     def start(self, member: int, first_generation: int | None) -> None:
         if not self.children:  # before the first member: the fork server's imports, once, bounded
             start_fork_server(self.ctx)
-        process = self.ctx.Process(target=_child, args=(member, self.spec, first_generation, LauncherState()),
+        process = self.ctx.Process(target=_child, args=(member, self.spec, first_generation, LauncherState(),
+                                                        self.secret),
                                    daemon=True, name=f"eplb-graph-member-{member}")
         process.start()
         self.children[member] = process

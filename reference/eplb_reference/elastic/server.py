@@ -23,7 +23,7 @@ from pathlib import Path
 from eplb_reference.runtime.config import RunConfig
 from eplb_reference.elastic.coordinator import Coordinator
 from eplb_reference.elastic.records import Events, ResizeRequest
-from eplb_reference.elastic.protocol import Release
+from eplb_reference.elastic.protocol import Release, RunSecret
 from eplb_reference.elastic.recovery import save_expert_source
 from eplb_reference.elastic.reshuffle import check_new_size
 from eplb_reference.elastic.spec import ElasticSpec, ServeShape
@@ -51,13 +51,13 @@ class ServerStats:
     recoveries: int = 0  # members recovered from
     member_failures: int = 0  # members that ended with an error (recovered from like a death)
     members_fenced: int = 0  # members found hung
-    store_values_dropped: int = 0  # malformed store values the coordinator dropped, never acted on (Board.skipped)
+    store_values_dropped: int = 0  # unproven or malformed store values the coordinator dropped (Board.skipped)
 
 
 class ElasticServer:
     def __init__(self, cfg: RunConfig, max_ranks: int, *, shape: ServeShape = ServeShape(), spares: int | None = None,
                  deadline_s: float = 30.0, hang_s: float = 10.0, host: str = "127.0.0.1", store_port: int = 0,
-                 chaos: bool = False) -> None:
+                 chaos: bool = False, secret: RunSecret | None = None) -> None:
         cfg.validate()
         check_new_size(cfg.ranks, cfg.num_experts, cfg.num_physical // cfg.ranks, max_ranks)
         self.cfg, self.max_ranks, self.shape = cfg, max_ranks, shape
@@ -66,7 +66,7 @@ class ElasticServer:
         spec = ElasticSpec(cfg, max_ranks, host, store_port, deadline_s=deadline_s, hang_s=hang_s,
                            expert_source=str(source), serve=shape, chaos=chaos)
         self.coordinator = Coordinator(spec, spares=max_ranks - cfg.ranks if spares is None else spares,
-                                       recover_failures=True)
+                                       recover_failures=True, secret=secret)
         self.lock = threading.Lock()  # the bookkeeping below, and the coordinator (its store client among it)
         self.answered = threading.Condition(self.lock)
         self.requests: dict[int, dict] = {}  # rid -> the request, until answered

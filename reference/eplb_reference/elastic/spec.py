@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from eplb_reference.runtime.config import RunConfig
 from eplb_reference.elastic.liveness import BEHIND_HANG_BOUNDS
-from eplb_reference.elastic.protocol import Board
+from eplb_reference.elastic.protocol import Board, RunSecret
 
 
 @dataclass(frozen=True)
@@ -60,11 +60,11 @@ class ElasticSpec:
         shapes are traced from, so a compiled graph cached for another maximum never matches."""
         return f"{self.name}-max{self.max_ranks}"
 
-    def connect(self) -> Board:
-        """A new client of the run's store (one per thread that uses it)."""
+    def connect(self, secret: RunSecret) -> Board:
+        """A new client of the run's store (one per thread that uses it), sealing with ``secret``."""
         store = dist.TCPStore(self.store_host, self.store_port, is_master=False,
                               timeout=timedelta(seconds=self.timeout_s))
-        return Board(store, self.name)
+        return Board(store, self.name, secret)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -101,3 +101,4 @@ class MemberResult:
     recoveries: list[dict] = field(default_factory=list)
     eplb: dict = field(default_factory=dict)  # upstream's EPLB between resizes, per generation (ElasticEplb.summary)
     abandoned_join: str | None = None  # a joiner whose resize was given up: why (it never served)
+    store_values_dropped: dict[str, int] = field(default_factory=dict)  # by kind: unproven fences, stops, ...

@@ -10,6 +10,7 @@ import pytest
 
 from eplb_reference.cli import build_parser
 from eplb_reference.elastic.join import parse_store
+from eplb_reference.elastic.protocol import SECRET_ENV, RunSecret
 
 
 def test_the_elastic_flags_parse_with_their_defaults():
@@ -21,9 +22,9 @@ def test_the_elastic_flags_parse_with_their_defaults():
     assert (args.chaos, args.faults) == (7, 24)
     args = parser.parse_args(["serve", "--port", "9000", "--store-port", "29500"])
     assert (args.host, args.port, args.store_port, args.max_ranks, args.mode) == ("127.0.0.1", 9000, 29500, None, "eager")
-    assert (args.store_host, args.api_key_file, args.max_concurrency) == ("127.0.0.1", None, 64)
-    args = parser.parse_args(["join", "--store", "10.0.0.5:29500"])
-    assert (args.store, args.name) == ("10.0.0.5:29500", "ep")
+    assert (args.store_host, args.api_key_file, args.max_concurrency, args.secret_file) == ("127.0.0.1", None, 64, None)
+    args = parser.parse_args(["join", "--store", "10.0.0.5:29500", "--secret-file", "run.secret"])
+    assert (args.store, args.name, args.secret_file) == ("10.0.0.5:29500", "ep", "run.secret")
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -31,6 +32,7 @@ def test_the_elastic_flags_parse_with_their_defaults():
     (["--hang-timeout", "-1"], "--hang-timeout must be > 0 seconds, got -1.0"),
     (["--max-concurrency", "0"], "--max-concurrency must be at least 1"),
     (["--api-key-file", "/nonexistent/key"], "the API key file /nonexistent/key cannot be read"),
+    (["--secret-file", "/nonexistent/dir/run.secret"], "--secret-file /nonexistent/dir/run.secret"),
 ])
 def test_what_the_server_cannot_take_is_refused_before_it_starts(overrides, message, capsys, monkeypatch):
     from eplb_reference.cli import main
@@ -51,9 +53,18 @@ def test_a_store_address_that_is_not_one_is_refused(text, message):
     assert parse_store("10.0.0.5:29500") == ("10.0.0.5", 29500) and parse_store("[::1]:80") == ("[::1]", 80)
 
 
-def test_joining_a_store_nobody_hosts_fails_with_a_clear_error(capsys):
+def test_joining_without_the_runs_secret_is_refused_before_any_connection(capsys, monkeypatch):
     from eplb_reference.cli import main
 
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    assert main(["join", "--store", "127.0.0.1:1", "--timeout", "1"]) == 2
+    assert "the run's secret is needed to join it: --secret-file PATH" in capsys.readouterr().err
+
+
+def test_joining_a_store_nobody_hosts_fails_with_a_clear_error(capsys, monkeypatch):
+    from eplb_reference.cli import main
+
+    monkeypatch.setenv(SECRET_ENV, RunSecret.generate().environment()[SECRET_ENV])
     assert main(["join", "--store", "127.0.0.1:1", "--timeout", "1"]) == 2
     assert "--store 127.0.0.1:1: no elastic run's store answers there" in capsys.readouterr().err
     assert isinstance(build_parser(), argparse.ArgumentParser)

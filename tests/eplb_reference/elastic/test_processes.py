@@ -8,6 +8,7 @@ import pytest
 
 from eplb_reference.runtime.config import RunConfig
 from eplb_reference.elastic.processes import MemberProcesses
+from eplb_reference.elastic.protocol import RunSecret
 from eplb_reference.elastic.spec import ElasticSpec
 from eplb_reference.runtime.process_start import start_fork_server
 
@@ -18,7 +19,7 @@ def exit_at_once() -> None:
 
 @pytest.mark.launches  # one child that exits at once
 def test_a_member_that_exited_and_was_reaped_takes_no_signal_and_is_seen_exited():
-    processes = MemberProcesses(ElasticSpec(RunConfig(ranks=2), 4, "127.0.0.1", 0))
+    processes = MemberProcesses(ElasticSpec(RunConfig(ranks=2), 4, "127.0.0.1", 0), RunSecret.generate())
     start_fork_server(processes.ctx)
     child = processes.ctx.Process(target=exit_at_once)
     child.start()
@@ -32,7 +33,7 @@ def test_a_member_that_exited_and_was_reaped_takes_no_signal_and_is_seen_exited(
 def test_a_member_offered_from_outside_is_never_signalled_whatever_pid_it_names():
     """An offer names a pid (a sleeper this test owns, standing for any process on the host): the
     coordinator adopts the member, and neither kills nor signals that process."""
-    processes = MemberProcesses(ElasticSpec(RunConfig(ranks=2), 4, "127.0.0.1", 0))
+    processes = MemberProcesses(ElasticSpec(RunConfig(ranks=2), 4, "127.0.0.1", 0), RunSecret.generate())
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         processes.adopt(5)

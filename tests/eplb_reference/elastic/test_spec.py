@@ -18,7 +18,7 @@ def test_the_spec_a_coordinator_publishes_is_the_spec_a_member_started_elsewhere
 
 def test_each_connect_is_a_client_of_its_own(board):
     spec = ElasticSpec(RunConfig(ranks=2), 4, "127.0.0.1", board.store.port, name=board.run, timeout_s=10)
-    first, second = spec.connect(), spec.connect()
+    first, second = spec.connect(board.secret), spec.connect(board.secret)
     first.publish_step(7)
     assert first.store is not second.store and second.step() == 7 and board.step() == 7
 

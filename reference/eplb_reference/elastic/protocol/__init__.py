@@ -21,15 +21,19 @@ client class (``board.py``: ``Board``) that reads and writes them typed; nothing
     run/step, run/step_ms, run/rearrangements, run/balancedness   what rank 0 publishes
     run/stop, run/next_member, run/spec, run/offers (queue)       the run's life; members joining from outside
 
+Every value is sealed with the run's secret over its key (``proof.py``: ``RunSecret``) and
+opened before it is read (``sealed.py``); gloo's keys and the two counters are the exceptions.
+
 Any writer may give a pending resize up (``abandon``): a joiner that timed out, rank 0, the
 coordinator, the server; rank 0's ``commit`` is a compare-and-set against all of them, so a
 generation switches with exactly the members that confirmed, or not at all.
 """
 
 from eplb_reference.elastic.protocol.board import STOP, Board, ProtocolTimeout
+from eplb_reference.elastic.protocol.proof import SECRET_ENV, RunSecret
 from eplb_reference.elastic.protocol.values import (
     Abandoned, Generation, KeepAlive, Outcome, Phase, Release, Switched, decode_outcome, encode_outcome,
 )
 
-__all__ = ["STOP", "Abandoned", "Board", "Generation", "KeepAlive", "Outcome", "Phase", "ProtocolTimeout", "Release",
-           "Switched", "decode_outcome", "encode_outcome"]
+__all__ = ["SECRET_ENV", "STOP", "Abandoned", "Board", "Generation", "KeepAlive", "Outcome", "Phase", "ProtocolTimeout",
+           "Release", "RunSecret", "Switched", "decode_outcome", "encode_outcome"]

@@ -1,43 +1,44 @@
 """``Board``: one client of the run's store, the only code that spells a key (the table: ``__init__``).
 
-What peers write is checked before anyone acts on it (``values.py``'s decoders): a malformed queued
-value, report, hand-back, keep-alive or figure is logged, counted in ``Board.skipped`` and dropped,
-never raised into the loop that read it."""
+Every value goes through ``SealedValues`` (``sealed.py``): sealed with the run's secret when
+written, opened and checked against its schema when read; a value without the seal or malformed is
+counted in ``Board.skipped`` and dropped. Two counters (``next_member``, ``rearrangements``) are the
+store's own integers and carry no seal: one hands out ids, the other is a reported figure.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections import Counter
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from eplb_reference.elastic.protocol.values import (
-    Abandoned, Generation, KeepAlive, MalformedValue, Outcome, Release, Switched, decode_offer, decode_outcome,
+    Abandoned, Generation, KeepAlive, Outcome, Release, Switched, decode_offer, decode_outcome,
     decode_report, decode_request, decode_result, decode_rids, encode_outcome,
 )
+from eplb_reference.elastic.protocol.proof import RunSecret
+from eplb_reference.elastic.protocol.sealed import ProtocolTimeout, SealedValues
 
 log = logging.getLogger("eplb_graph.elastic")
 
 
-class ProtocolTimeout(RuntimeError):
-    """A bounded wait ended with nothing written; the message names what was waited for."""
-
+__all__ = ["STOP", "Board", "ProtocolTimeout"]
 
 STOP = "stop"  # a spare's assignment at the end of a run
+SETTLE_TRIES = 4  # compare-and-sets of an outcome whose key an unproven value took first
 
 
-class Board:
+class Board(SealedValues):
     """One client of the run's store, reading and writing the protocol's keys (not thread-safe:
     ``clone`` gives another thread its own)."""
 
-    def __init__(self, store: dist.Store, run: str) -> None:
-        self.store, self.run = store, run
-        self.skipped: Counter[str] = Counter()  # malformed queued values dropped, by queue: never acted on
+    def __init__(self, store: dist.Store, run: str, secret: RunSecret) -> None:
+        super().__init__(store, secret)
+        self.run = run
 
     def clone(self) -> Board:
-        return Board(self.store.clone(), self.run)
+        return Board(self.store.clone(), self.run, self.secret)
 
     def key(self, scope: str, ident: object = None, field: str | None = None, *more: object) -> str:
         parts = [self.run, scope] + ([str(ident)] if ident is not None else []) + ([field] if field else [])
@@ -52,57 +53,6 @@ class Board:
     def _run(self, field: str) -> str:
         return self.key("run", None, field)
 
-    # -- plain values and queues ------------------------------------------------------------
-
-    def _get(self, key: str) -> str | None:
-        return self.store.get(key).decode() if self.store.check([key]) else None
-
-    def _take(self, key: str) -> str | None:
-        value = self._get(key)
-        if value is not None:
-            self.store.delete_key(key)
-        return value
-
-    def _wait(self, key: str, timeout_s: float, what: str) -> str:
-        try:
-            self.store.wait([key], timedelta(seconds=max(timeout_s, 1e-3)))
-        except dist.DistStoreError:
-            raise ProtocolTimeout(f"{what}: nothing written under {key} within {timeout_s:g} s") from None
-        return self.store.get(key).decode()
-
-    def _pop_all(self, key: str) -> list[str]:
-        """Every entry queued under ``key`` since the last pop: as many store calls as entries (one
-        other client popping the same queue, as a fenced member might, takes what it takes)."""
-        entries = []
-        for _ in range(self.store.queue_len(key)):
-            try:
-                entries.append(self.store.queue_pop(key, block=False).decode())
-            except dist.QueueEmptyError:
-                break
-        return entries
-
-    def _take_checked(self, key: str, decode, what: str):
-        text = self._take(key)
-        if text is None:
-            return None
-        try:
-            return decode(text)
-        except MalformedValue as error:
-            self.skipped[what] += 1
-            log.warning("a malformed %s in the store was dropped (%s): %.120r", what, error, text)
-            return None
-
-    def _pop_checked(self, key: str, decode, queue: str) -> list[dict]:
-        """The entries of a queue that decode; one that does not is logged, counted and dropped."""
-        values = []
-        for text in self._pop_all(key):
-            try:
-                values.append(decode(text))
-            except MalformedValue as error:
-                self.skipped[queue] += 1
-                log.warning("a malformed %s in the store was dropped (%s): %.120r", queue, error, text)
-        return values
-
     def delete(self, *keys: str) -> None:
         for key in keys:
             self.store.delete_key(key)
@@ -116,10 +66,10 @@ class Board:
     def announce(self, generation: Generation) -> None:
         if len(set(generation.members)) != generation.size or generation.size < 1:
             raise ValueError(f"a generation needs distinct members, got {list(generation.members)}")
-        self.store.set(self._gen(generation.index, "members"), json.dumps(list(generation.members)))
+        self._set(self._gen(generation.index, "members"), json.dumps(list(generation.members)))
 
     def announced(self, index: int) -> bool:
-        return self.store.check([self._gen(index, "members")])
+        return self._get(self._gen(index, "members"), "generation") is not None
 
     def generation(self, index: int, timeout_s: float) -> Generation:
         text = self._wait(self._gen(index, "members"), timeout_s, f"generation {index}'s members")
@@ -129,23 +79,23 @@ class Board:
         return dist.PrefixStore(self._gen(index, "gloo", kind), self.store)
 
     def hold(self, index: int) -> None:
-        self.store.set(self._gen(index, "hold"), "1")
+        self._set(self._gen(index, "hold"), "1")
 
     def held(self, index: int) -> bool:
-        return self.store.check([self._gen(index, "hold")])
+        return self._get(self._gen(index, "hold"), "hold") is not None
 
     def release(self, index: int, release: Release) -> None:
-        self.store.set(self._gen(index, "release"), release.value)
+        self._set(self._gen(index, "release"), release.value)
 
     def release_of(self, index: int) -> Release | None:
-        value = self._get(self._gen(index, "release"))
+        value = self._get(self._gen(index, "release"), "release")
         return None if value is None else Release(value)
 
     def say_ready(self, index: int, member: int) -> None:
-        self.store.set(self._gen(index, "ready", member), "1")
+        self._set(self._gen(index, "ready", member), "1")
 
     def not_ready(self, index: int, members: list[int]) -> list[int]:
-        return [m for m in members if not self.store.check([self._gen(index, "ready", m)])]
+        return [m for m in members if self._get(self._gen(index, "ready", m), "ready") is None]
 
     def commit(self, index: int, switched: Switched) -> Outcome:
         """Rank 0's switch, unless someone gave the resize up first; returns the outcome that won."""
@@ -156,21 +106,28 @@ class Board:
         return self._settle(index, Abandoned(why, broken))
 
     def _settle(self, index: int, outcome: Outcome) -> Outcome:
-        won = self.store.compare_set(self._gen(index, "outcome"), "", encode_outcome(outcome)).decode()
-        return decode_outcome(won)
+        key, expected = self._gen(index, "outcome"), ""
+        ours = self.secret.seal(key, encode_outcome(outcome))
+        for _ in range(SETTLE_TRIES):
+            won = self.store.compare_set(key, expected, ours)
+            text = self._open(key, won, "outcome")
+            if text is not None:
+                return decode_outcome(text)
+            expected = won.decode(errors="replace")  # an unproven value took the key first: ours replaces it
+        raise ProtocolTimeout(f"the outcome of generation {index}: unproven values keep taking {key}")
 
     def outcome(self, index: int) -> Outcome | None:
-        value = self._get(self._gen(index, "outcome"))
+        value = self._get(self._gen(index, "outcome"), "outcome")
         return None if value is None else decode_outcome(value)
 
     def wait_outcome(self, index: int, timeout_s: float) -> Outcome:
         return decode_outcome(self._wait(self._gen(index, "outcome"), timeout_s, f"the outcome of generation {index}"))
 
     def announce_recovery(self, broken: int, index: int) -> None:
-        self.store.set(self._gen(broken, "recovery"), str(index))
+        self._set(self._gen(broken, "recovery"), str(index))
 
     def recovery_of(self, broken: int) -> int | None:
-        value = self._get(self._gen(broken, "recovery"))
+        value = self._get(self._gen(broken, "recovery"), "recovery")
         return None if value is None else int(value)
 
     def forget_generation(self, index: int) -> None:
@@ -190,19 +147,19 @@ class Board:
             self.store.add(self._run("next_member"), below - taken)
 
     def assign(self, member: int, index: int | str) -> None:
-        self.store.set(self._member(member, "assign"), str(index))
+        self._set(self._member(member, "assign"), str(index))
 
     def assignment(self, member: int) -> int | str | None:
         """The generation a spare joins, ``STOP``, or None while it has none."""
-        value = self._get(self._member(member, "assign"))
+        value = self._get(self._member(member, "assign"), "assignment")
         return value if value in (None, STOP) else int(value)
 
     def beat(self, member: int, alive: KeepAlive) -> None:
-        self.store.set(self._member(member, "alive"), alive.encode())
+        self._set(self._member(member, "alive"), alive.encode())
 
     def keep_alive(self, member: int) -> KeepAlive | None:
         """The member's last beat; a malformed one reads as none (counted), as if it never beat."""
-        value = self._get(self._member(member, "alive"))
+        value = self._get(self._member(member, "alive"), "keep-alive")
         if value is None:
             return None
         try:
@@ -213,13 +170,13 @@ class Board:
             return None
 
     def fence(self, member: int, why: str) -> None:
-        self.store.set(self._member(member, "fence"), why)
+        self._set(self._member(member, "fence"), why)
 
     def fenced(self, member: int) -> str | None:
-        return self._get(self._member(member, "fence"))
+        return self._get(self._member(member, "fence"), "fence")
 
     def report(self, member: int, result: dict) -> None:
-        self.store.set(self._member(member, "report"), json.dumps(result))
+        self._set(self._member(member, "report"), json.dumps(result))
 
     def take_report(self, member: int) -> dict | None:
         """A member's report; a malformed one is dropped (counted) and reads as none."""
@@ -234,7 +191,7 @@ class Board:
     def offer(self, member: int, host: str, pid: int) -> None:
         """A member started from outside the coordinator's process tree offers itself as a spare
         (where it runs: a coordinator on the same host can still kill it)."""
-        self.store.queue_push(self._run("offers"), json.dumps({"member": member, "host": host, "pid": pid}))
+        self._push(self._run("offers"), json.dumps({"member": member, "host": host, "pid": pid}))
 
     def offers(self) -> list[dict]:
         return self._pop_checked(self._run("offers"), decode_offer, "offer")
@@ -242,27 +199,30 @@ class Board:
     # -- work ---------------------------------------------------------------------------------
 
     def served(self, member: int, step: int, rank: int, size: int) -> None:
-        self.store.append(self._member(member, "served"), f"{step}:{rank}:{size};")
+        key = self._member(member, "served")
+        self.store.append(key, self.secret.seal(key, f"{step}:{rank}:{size}") + ";")  # each entry sealed
 
     def served_log(self, member: int) -> list[list[int]]:
         """[step, rank, group size] per batch the member completed, in order."""
-        value = self._get(self._member(member, "served")) or ""
-        return [[int(part) for part in entry.split(":")] for entry in value.split(";") if entry]
+        key = self._member(member, "served")
+        raw = self.store.get(key).decode(errors="replace") if self.store.check([key]) else ""
+        entries = (self._open(key, entry.encode(), "served entry") for entry in raw.split(";") if entry)
+        return [[int(part) for part in entry.split(":")] for entry in entries if entry is not None]
 
     def push_request(self, member: int, request: dict) -> None:
-        self.store.queue_push(self._member(member, "inbox"), json.dumps(request))
+        self._push(self._member(member, "inbox"), json.dumps(request))
 
     def pop_requests(self, member: int) -> list[dict]:
         return self._pop_checked(self._member(member, "inbox"), decode_request, "request")
 
     def hand_back(self, member: int, rids: list[int]) -> None:
-        self.store.set(self._member(member, "returned"), json.dumps(rids))
+        self._set(self._member(member, "returned"), json.dumps(rids))
 
     def take_handed_back(self, member: int) -> list[int] | None:
         return self._take_checked(self._member(member, "returned"), decode_rids, "hand-back")
 
     def push_result(self, result: dict) -> None:
-        self.store.queue_push(self._run("results"), json.dumps(result))
+        self._push(self._run("results"), json.dumps(result))
 
     def pop_results(self) -> list[dict]:
         return self._pop_checked(self._run("results"), decode_result, "result")
@@ -270,13 +230,13 @@ class Board:
     # -- what rank 0 publishes, and the run's life --------------------------------------------
 
     def publish_step(self, step: int, step_ms: float | None = None) -> None:
-        self.store.set(self._run("step"), str(step))
+        self._set(self._run("step"), str(step))
         if step_ms is not None:
-            self.store.set(self._run("step_ms"), f"{step_ms:.3f}")
+            self._set(self._run("step_ms"), f"{step_ms:.3f}")
 
     def _number(self, field: str, kind: type, default: float) -> float:
         """A published figure; a malformed one reads as ``default`` (counted), never an error."""
-        text = self._get(self._run(field))
+        text = self._get(self._run(field), field)
         try:
             return kind(text) if text is not None else default
         except ValueError:
@@ -291,7 +251,7 @@ class Board:
 
     def count_rearrangement(self, balancedness: float) -> None:
         self.store.add(self._run("rearrangements"), 1)
-        self.store.set(self._run("balancedness"), f"{balancedness:.4f}")
+        self._set(self._run("balancedness"), f"{balancedness:.4f}")
 
     def rearrangements(self) -> int:
         return self.store.add(self._run("rearrangements"), 0)
@@ -300,13 +260,15 @@ class Board:
         return self._number("balancedness", float, float("nan"))
 
     def stop(self) -> None:
-        self.store.set(self._run("stop"), "1")
+        self._set(self._run("stop"), "1")
 
     def stopped(self) -> bool:
-        return self.store.check([self._run("stop")])
+        return self._get(self._run("stop"), "stop") is not None
 
     def publish_spec(self, text: str) -> None:
-        self.store.set(self._run("spec"), text)
+        self._set(self._run("spec"), text)
 
     def spec_text(self, timeout_s: float) -> str:
-        return self._wait(self._run("spec"), timeout_s, "the run's spec")
+        """The run's spec; ``Unproven`` at once where the one there is not sealed with this client's
+        secret (a joiner given the wrong one)."""
+        return self._wait_first(self._run("spec"), timeout_s, "the run's spec")
