@@ -1,0 +1,75 @@
+"""``protocol/sealed.py``: every value of the run's store sealed with the run's secret, through the
+``Board`` that spells the keys; what a client without the secret writes is never acted on."""
+
+import threading
+
+import pytest
+
+from eplb_reference.elastic.protocol import (STOP, Abandoned, Board, Generation, KeepAlive, Phase, ProtocolTimeout,
+                                             Release, RunSecret, Switched)
+from eplb_reference.elastic.protocol.proof import Unproven
+from tests.eplb_reference.elastic.protocol.test_board import request, result
+
+
+def outsider(board):
+    """A client of the same store without the run's secret (any process that reaches the port)."""
+    return Board(board.store.clone(), board.run, RunSecret.generate())
+
+
+def test_what_a_client_without_the_secret_writes_is_never_acted_on_and_is_counted(board):
+    intruder = outsider(board)
+    intruder.push_result(result(3))
+    intruder.push_request(1, request(3))
+    intruder.offer(7, "h", 12)
+    intruder.report(4, {"member": 4})
+    intruder.hand_back(4, [1])
+    intruder.fence(2, "forged")
+    intruder.stop()
+    intruder.beat(2, KeepAlive(1, 1, 0, False, Phase.SERVING, 0))
+    intruder.assign(5, STOP)
+    intruder.announce(Generation(3, (0, 9)))
+    intruder.release(3, Release.GO)
+    intruder.publish_step(99)
+    intruder.served(2, 1, 0, 2)
+    assert board.pop_results() == [] and board.pop_requests(1) == [] and board.offers() == []
+    assert board.take_report(4) is None and board.take_handed_back(4) is None
+    assert board.fenced(2) is None and not board.stopped() and board.keep_alive(2) is None
+    assert board.assignment(5) is None and not board.announced(3) and board.release_of(3) is None
+    assert board.step() == 0 and board.served_log(2) == []
+    assert board.skipped == {f"unproven {kind}": 1 for kind in (
+        "result", "request", "offer", "report", "hand-back", "fence", "stop", "keep-alive", "assignment",
+        "generation", "release", "step", "served entry")}
+    board.served(2, 2, 1, 2)  # the run's own entries are read past an outsider's
+    assert board.served_log(2) == [[2, 1, 2]]
+
+
+def test_a_sealed_value_moved_under_another_key_is_refused(board):
+    board.fence(1, "hung")
+    board.store.set(board.key("member", 2, "fence"), board.store.get(board.key("member", 1, "fence")))
+    assert board.fenced(1) == "hung" and board.fenced(2) is None and board.skipped == {"unproven fence": 1}
+
+
+def test_an_outcome_taken_first_by_an_outsider_is_replaced_by_the_runs(board):
+    assert outsider(board).abandon(2, "forged") == Abandoned("forged")  # its own seal: it reads its own value
+    assert board.outcome(2) is None  # the run reads none there
+    assert board.commit(2, Switched(40, 2)) == Switched(40, 2) and board.wait_outcome(2, 1) == Switched(40, 2)
+
+
+def test_a_wait_reads_past_an_unproven_value_until_the_runs_is_written(board):
+    outsider(board).announce(Generation(4, (0, 1)))
+    with pytest.raises(ProtocolTimeout, match="no value of the run's under ep/gen/4/members"):
+        board.generation(4, timeout_s=0.2)
+    waiter = board.clone()
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(waiter.generation(4, timeout_s=10)))
+    thread.start()
+    board.announce(Generation(4, (2, 3)))
+    thread.join()
+    assert seen == [Generation(4, (2, 3))]
+
+
+def test_a_spec_not_sealed_with_the_readers_secret_is_refused_at_once(board):
+    board.publish_spec('{"name": "ep"}')
+    with pytest.raises(Unproven, match="ep/run/spec"):
+        outsider(board).spec_text(timeout_s=10)
+    assert board.clone().spec_text(timeout_s=1) == '{"name": "ep"}'
