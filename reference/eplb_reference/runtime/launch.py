@@ -13,6 +13,11 @@ times that on a loaded machine) has its own bound, ``startup_timeout_s``.
 
 A rank that reported exits on its own (its atexit handlers and finalizers run) within a
 grace period, and is killed only past it.
+
+The ranks meet through a file store in a directory only this user can open (``file://``,
+which vLLM's ``init_distributed_environment`` takes as torch's ``FileStore``), not a TCP
+store (torch's listens on every interface whatever host it is given), and their Gloo groups
+listen on loopback (``GLOO_SOCKET_IFNAME``, unless the operator names an interface).
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ import faulthandler
 import gc
 import inspect
 import math
+import os
 import queue
+import shutil
 import signal
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -64,9 +72,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def loopback_interface() -> str:
+    """The network interface that holds 127.0.0.1 (``lo`` on Linux)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(address.family == socket.AF_INET and address.address == "127.0.0.1" for address in addresses):
+            return name
+    raise RuntimeError("no network interface holds 127.0.0.1: the ranks on this host meet over loopback")
+
+
 def _entry(fn: Callable, rank: int, world_size: int, init_method: str, args: tuple, results,
            heartbeat: Heartbeat, pass_heartbeat: bool, launcher: LauncherState) -> None:
     launcher.apply()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # gloo's default: the hostname's address
     heartbeat.beat()  # started and imported: from here on silence counts
     faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack
     # Ctrl-C reaches the whole process group; the launcher answers it and stops every rank, so a
@@ -102,7 +121,8 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 180.0,
     ctx = process_context()
     start_fork_server(ctx)  # its imports, once per launcher, are bounded apart from each rank's start
     results = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    rendezvous = tempfile.mkdtemp(prefix="eplb-graph-ranks-")  # mode 700
+    init_method = f"file://{rendezvous}/store"
     beats = [Heartbeat(ctx) for _ in range(world_size)]
     takes_heartbeat = "heartbeat" in inspect.signature(fn).parameters
     processes = [
@@ -154,6 +174,7 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 180.0,
                 if process.is_alive():
                     process.kill()
                 process.join(5)
+            shutil.rmtree(rendezvous, ignore_errors=True)
     if failures:
         raise RankFailure(failures, done)
     return [done[rank] for rank in range(world_size)]

@@ -12,8 +12,6 @@ sums by hand, and one expert moved by ``GlooStagedCommunicator`` between two ran
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 import torch
 
@@ -204,12 +202,11 @@ def _move(eplb_group, rank, moves: list[tuple[int, int]]) -> dict:
 
 
 def stateless_groups_case(rank: int, world_size: int, init_method: str) -> dict:
-    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed import FileStore, PrefixStore
     from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
 
-    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
-    store = TCPStore(host, int(port), is_master=rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
+    store = FileStore(init_method.removeprefix("file://"), world_size)  # the launcher's rendezvous
     config = VllmConfig(parallel_config=ParallelConfig(enable_expert_parallel=True))
     adaptations, moved = StatelessCpuAdaptations(), {}
     adaptations.install()

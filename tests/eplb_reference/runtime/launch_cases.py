@@ -67,3 +67,19 @@ def exit_hangs(rank, world_size, init_method):
 
     threading.Thread(target=time.sleep, args=(3600,)).start()
     return rank
+
+
+def listening_after_groups(rank, world_size, init_method):
+    """vLLM's groups as a rank of ``eplb-graph run`` builds them (EP = world_size): the rendezvous
+    it met through, and every TCP socket this rank's process listens on, read from the kernel."""
+    import psutil
+
+    from eplb_reference.runtime.groups import init_expert_parallel, shutdown_expert_parallel
+
+    init_expert_parallel(rank, world_size, init_method, num_redundant_experts=0)
+    try:
+        sockets = [(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="inet")
+                   if c.status == psutil.CONN_LISTEN]
+    finally:
+        shutdown_expert_parallel()
+    return init_method.split(":", 1)[0], sockets

@@ -69,3 +69,12 @@ def test_the_runtime_beats_once_per_step(body):
     """`eplb-graph run` and `bench` beat after every step, so --timeout bounds a step, not a run."""
     cfg = RunConfig(mode="eager", ranks=1, steps=12, check_outputs=False)
     assert run_ranks(launch_cases.beats_of, 1, body, cfg, timeout_s=300) == [12]
+
+
+def test_the_ranks_listen_on_loopback_only_and_meet_through_a_private_file():
+    """``eplb-graph run``'s ranks: no TCP store (torch's listens on every interface), and vLLM's Gloo
+    groups on loopback however the host name resolves."""
+    results = run_ranks(launch_cases.listening_after_groups, 2, timeout_s=120, startup_timeout_s=STARTUP_S)
+    for scheme, sockets in results:
+        assert scheme == "file" and sockets, sockets  # Gloo's listener, at least
+        assert all(host in ("127.0.0.1", "::1") for host, _ in sockets), sockets
