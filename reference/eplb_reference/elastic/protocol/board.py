@@ -14,8 +14,9 @@ import logging
 import torch.distributed as dist
 
 from eplb_reference.elastic.protocol.values import (
-    Abandoned, Generation, KeepAlive, Outcome, Release, Switched, decode_offer, decode_outcome,
-    decode_report, decode_request, decode_result, decode_rids, encode_outcome,
+    Abandoned, Generation, KeepAlive, Outcome, Release, Switched, decode_index, decode_members,
+    decode_offer, decode_outcome, decode_release, decode_report, decode_request, decode_result, decode_rids,
+    encode_outcome,
 )
 from eplb_reference.elastic.protocol.proof import RunSecret
 from eplb_reference.elastic.protocol.sealed import ProtocolTimeout, SealedValues
@@ -72,8 +73,9 @@ class Board(SealedValues):
         return self._get(self._gen(index, "members"), "generation") is not None
 
     def generation(self, index: int, timeout_s: float) -> Generation:
-        text = self._wait(self._gen(index, "members"), timeout_s, f"generation {index}'s members")
-        return Generation(index, tuple(json.loads(text)))
+        what = f"generation {index}'s members"
+        text = self._wait(self._gen(index, "members"), timeout_s, what)
+        return Generation(index, self._decoded_or_timeout(text, decode_members, "generation", what))
 
     def gloo_store(self, index: int, kind: str) -> dist.PrefixStore:
         return dist.PrefixStore(self._gen(index, "gloo", kind), self.store)
@@ -88,8 +90,7 @@ class Board(SealedValues):
         self._set(self._gen(index, "release"), release.value)
 
     def release_of(self, index: int) -> Release | None:
-        value = self._get(self._gen(index, "release"), "release")
-        return None if value is None else Release(value)
+        return self._decoded(self._get(self._gen(index, "release"), "release"), decode_release, "release")
 
     def say_ready(self, index: int, member: int) -> None:
         self._set(self._gen(index, "ready", member), "1")
@@ -110,25 +111,25 @@ class Board(SealedValues):
         ours = self.secret.seal(key, encode_outcome(outcome))
         for _ in range(SETTLE_TRIES):
             won = self.store.compare_set(key, expected, ours)
-            text = self._open(key, won, "outcome")
-            if text is not None:
-                return decode_outcome(text)
-            expected = won.decode(errors="replace")  # an unproven value took the key first: ours replaces it
+            outcome = self._decoded(self._open(key, won, "outcome"), decode_outcome, "outcome")
+            if outcome is not None:
+                return outcome
+            expected = won.decode(errors="replace")  # an unproven or malformed value took the key: ours replaces it
         raise ProtocolTimeout(f"the outcome of generation {index}: unproven values keep taking {key}")
 
     def outcome(self, index: int) -> Outcome | None:
-        value = self._get(self._gen(index, "outcome"), "outcome")
-        return None if value is None else decode_outcome(value)
+        return self._decoded(self._get(self._gen(index, "outcome"), "outcome"), decode_outcome, "outcome")
 
     def wait_outcome(self, index: int, timeout_s: float) -> Outcome:
-        return decode_outcome(self._wait(self._gen(index, "outcome"), timeout_s, f"the outcome of generation {index}"))
+        what = f"the outcome of generation {index}"
+        return self._decoded_or_timeout(self._wait(self._gen(index, "outcome"), timeout_s, what), decode_outcome,
+                                        "outcome", what)
 
     def announce_recovery(self, broken: int, index: int) -> None:
         self._set(self._gen(broken, "recovery"), str(index))
 
     def recovery_of(self, broken: int) -> int | None:
-        value = self._get(self._gen(broken, "recovery"), "recovery")
-        return None if value is None else int(value)
+        return self._decoded(self._get(self._gen(broken, "recovery"), "recovery"), decode_index, "recovery")
 
     def forget_generation(self, index: int) -> None:
         """A generation older than the one serving: every key under it, gloo's own among them."""
@@ -152,7 +153,7 @@ class Board(SealedValues):
     def assignment(self, member: int) -> int | str | None:
         """The generation a spare joins, ``STOP``, or None while it has none."""
         value = self._get(self._member(member, "assign"), "assignment")
-        return value if value in (None, STOP) else int(value)
+        return value if value in (None, STOP) else self._decoded(value, decode_index, "assignment")
 
     def beat(self, member: int, alive: KeepAlive) -> None:
         self._set(self._member(member, "alive"), alive.encode())

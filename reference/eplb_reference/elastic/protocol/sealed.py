@@ -107,6 +107,13 @@ class SealedValues:
             self._drop(what, error, text)
             return None
 
+    def _decoded_or_timeout(self, text: str, decode, kind: str, what: str):
+        """A waited-for value decoded; a malformed one (a fault) is counted and ends the wait as a timeout."""
+        value = self._decoded(text, decode, kind)
+        if value is None:
+            raise ProtocolTimeout(f"{what}: the value written is malformed ({text[:80]!r})")
+        return value
+
     def _take_checked(self, key: str, decode, what: str):
         return self._decoded(self._take(key, what), decode, what)
 

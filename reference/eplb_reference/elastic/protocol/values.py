@@ -58,10 +58,12 @@ def encode_outcome(outcome: Outcome) -> str:
 
 
 def decode_outcome(text: str) -> Outcome:
-    kind, first, rest = text.split(":", 2)
-    if kind == "switched":
+    kind, first, rest = (text.split(":", 2) + ["", ""])[:3]
+    if kind == "switched" and first.isdigit() and rest.isdigit():
         return Switched(int(first), int(rest))
-    return Abandoned(rest, broken=first == "1")
+    if kind == "abandoned" and first in ("0", "1"):
+        return Abandoned(rest, broken=first == "1")
+    raise MalformedValue("an outcome is switched:STEP:SIZE or abandoned:0|1:WHY")
 
 
 @dataclass(frozen=True)
@@ -158,3 +160,34 @@ def decode_rids(text: str) -> list[int]:
     if not isinstance(value, list):
         raise MalformedValue("a list of request ids")
     return [_int(rid, "rid") for rid in value]
+
+
+# -- what the coordinator writes (sealed like the rest; a malformed one is a fault, never acted on) ----
+
+
+def decode_members(text: str) -> tuple[int, ...]:
+    """A generation's members in rank order: distinct member ids, one at least."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise MalformedValue(f"not JSON: {error}") from None
+    if not isinstance(value, list) or not value:
+        raise MalformedValue("a generation's members are a non-empty list")
+    members = tuple(_int(member, "member") for member in value)
+    if len(set(members)) != len(members):
+        raise MalformedValue(f"a generation's members are distinct, not {list(members)}")
+    return members
+
+
+def decode_index(text: str) -> int:
+    """A generation index or a member's assignment to one, in decimal."""
+    if not text.isdigit() or not text.isascii():
+        raise MalformedValue(f"a generation index is a decimal integer >= 0, not {text!r}")
+    return int(text)
+
+
+def decode_release(text: str) -> Release:
+    try:
+        return Release(text)
+    except ValueError:
+        raise MalformedValue(f"a release is one of {[r.value for r in Release]}, not {text!r}") from None

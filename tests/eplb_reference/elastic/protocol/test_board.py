@@ -160,3 +160,19 @@ def test_a_malformed_keep_alive_or_figure_reads_as_none_or_the_default_and_is_co
     assert board.keep_alive(2) is None and board.step() == 0 and math.isnan(board.step_ms())
     assert board.skipped == {"keep-alive": 1, "step": 1, "step_ms": 1}
 
+
+
+def test_what_the_coordinator_writes_malformed_is_counted_and_never_acted_on(board):
+    """Sealed, so a fault of the run's own: an assignment, a release, a recovery or an outcome reads as
+    none; a waited-for generation or outcome ends the wait as a timeout, naming the value."""
+    sealed_set(board, board.key("member", 5, "assign"), "soon")
+    sealed_set(board, board.key("gen", 3, "release"), "later")
+    sealed_set(board, board.key("gen", 3, "recovery"), "x")
+    sealed_set(board, board.key("gen", 3, "outcome"), "moved:1:2")
+    sealed_set(board, board.key("gen", 3, "members"), "[1, 1]")
+    assert board.assignment(5) is None and board.release_of(3) is None and board.recovery_of(3) is None
+    assert board.outcome(3) is None
+    with pytest.raises(ProtocolTimeout, match="generation 3's members: the value written is malformed"):
+        board.generation(3, timeout_s=1)
+    assert board.skipped == {"assignment": 1, "release": 1, "recovery": 1, "outcome": 1, "generation": 1}
+    assert board.commit(3, Switched(9, 2)) == Switched(9, 2)  # the malformed outcome is replaced
