@@ -62,6 +62,7 @@ bench: $(STAMP)
 	$(VENV)/bin/eplb-graph run --chaos 3 --resize-deadline 120 --out $(BENCH)/chaos_3
 	$(VENV)/bin/python benchmarks/bench_vllm_eplb.py --out $(BENCH)/bench_vllm_eplb.json
 	$(VENV)/bin/python benchmarks/bench_vllm_elastic.py --out $(BENCH)/bench_vllm_elastic.json
+	$(VENV)/bin/python benchmarks/bench_vllm_elastic.py --sizes 2 4 2 --out $(BENCH)/bench_vllm_elastic_2_4_2.json
 	$(VENV)/bin/python benchmarks/bench_kept_placement.py --out $(BENCH)/bench_kept_placement.json
 
 # vLLM's control plane for the lent GPU image (no vLLM there): benchmarks/gpu_carry.py

@@ -52,6 +52,7 @@ FILES = {
     "vllm_eplb": "bench_vllm_eplb.json",
     "kept_placement": "bench_kept_placement.json",
     "vllm_elastic": "bench_vllm_elastic.json",
+    "vllm_elastic_2_4_2": "bench_vllm_elastic_2_4_2.json",
     "gpu": "gpu_bench.json",
 }
 assert set(FILES) == set(RENDERERS) == set(TITLES), "each benchmark file has a renderer and a title"

@@ -205,7 +205,7 @@ RENDERERS = {"run": render_run, "bench": render_bench, "data_plane": render_benc
              "elastic_fault": render_elastic, "elastic_fault_rank0": render_elastic,
              "elastic_control": render_elastic_control, "chaos_1": render_chaos, "chaos_2": render_chaos,
              "chaos_3": render_chaos, "vllm_eplb": render_vllm_eplb, "kept_placement": render_kept_placement,
-             "vllm_elastic": render_vllm_elastic, "gpu": render_gpu}
+             "vllm_elastic": render_vllm_elastic, "vllm_elastic_2_4_2": render_vllm_elastic, "gpu": render_gpu}
 TITLES = {
     "run": "`make run` (`eplb-graph run`: 2 ranks, compiled, live EPLB, outputs checked every step)",
     "bench": "`eplb-graph bench` (capture vs eager, EPLB off / on_idle / on_rearranging)",
@@ -228,5 +228,6 @@ TITLES = {
     "vllm_eplb": "`bench_vllm_eplb.py` (vLLM TP=2 + EP on a skewed router: rebalanced against static placement)",
     "kept_placement": "`bench_kept_placement.py` (vLLM TP=2 + EP: the first windows from a cold start and from a kept placement)",
     "vllm_elastic": "`bench_vllm_elastic.py` (vLLM's own elastic EP through the plugin: each resize under a stream)",
+    "vllm_elastic_2_4_2": "`bench_vllm_elastic.py --sizes 2 4 2` (the same, to the largest group and back)",
     "gpu": "`gpu_bench.py` on a lent GPU",
 }
