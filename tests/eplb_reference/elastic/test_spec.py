@@ -1,6 +1,8 @@
 """``runtime/elastic/spec.py``: the spec every member gets, the same read from the store, and the
 serving shape's refusals."""
 
+from datetime import timedelta
+
 import pytest
 
 from eplb_reference.runtime.config import RunConfig
@@ -20,6 +22,8 @@ def test_each_connect_is_a_client_of_its_own(board):
     spec = ElasticSpec(RunConfig(ranks=2), 4, "127.0.0.1", board.store.port, name=board.run, timeout_s=10)
     first, second = spec.connect(board.secret), spec.connect(board.secret)
     first.publish_step(7)
+    # a store's set is not acknowledged: another client's read can reach the store before it
+    second.store.wait([second.key("run", None, "step")], timedelta(seconds=10))
     assert first.store is not second.store and second.step() == 7 and board.step() == 7
 
 
