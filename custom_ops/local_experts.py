@@ -119,7 +119,8 @@ def local_expert_pairs_kernel(hidden_states: torch.Tensor, topk_weights: torch.T
     token, slot = (local >= 0).nonzero(as_tuple=True)  # [P], [P]: local pairs, token-major
     counts.calls += 1
     counts.seen += topk_ids.numel()
-    # summed over k in float32, as the fused kernels do, then cast once
+    # each row comes back in the layer's dtype (the kernel rounds it there); a token's rows are summed
+    # in float32 and the sum rounded once more to the layer's dtype
     total = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)  # [T, H]
     if token.numel() > 0:
         start = time.perf_counter()
@@ -140,7 +141,7 @@ def local_expert_pairs_fake(hidden_states: torch.Tensor, topk_weights: torch.Ten
     check_pair_args(hidden_states, topk_weights, topk_ids, expert_map)
     if layer not in LOCAL_EXPERTS:  # fail when the graph is built, not at its first run
         LOCAL_EXPERTS.resolve(layer)
-    return torch.empty_like(hidden_states)
+    return hidden_states.new_empty(hidden_states.shape)  # contiguous, as the kernel's result is
 
 
 def register(lib: torch.library.Library) -> None:

@@ -55,8 +55,12 @@ class LocalPairExperts:
         self.activation = routed_experts.activation
         self.global_num_experts = int(routed_experts.global_num_experts)
         self.apply_router_weight_on_input = bool(routed_experts.apply_router_weight_on_input)
-        LOCAL_EXPERTS.register(key, self)
         patches.install(self.adaptation, self.apply, by=self, on=experts)
+        try:  # registered only once its install held: a refused one leaves no entry behind
+            LOCAL_EXPERTS.register(key, self)
+        except BaseException:
+            patches.uninstall(self.adaptation, on=experts)
+            raise
 
     def unbind(self) -> None:
         patches.uninstall(self.adaptation, on=self.experts)
@@ -83,12 +87,12 @@ class LocalPairExperts:
                                        workspace2, expert_tokens_meta, apply_router_weight_on_input)
         bound = (self.activation, self.global_num_experts, self.apply_router_weight_on_input)
         if (activation, global_num_experts, apply_router_weight_on_input) != bound or a1q_scale is not None \
-                or expert_tokens_meta is not None:
+                or a2_scale is not None or expert_tokens_meta is not None:
             raise LocalExpertsError(
                 f"layer {self.key}: its experts were called with activation={activation}, global experts="
                 f"{global_num_experts}, weights on input={apply_router_weight_on_input}, input scales="
-                f"{a1q_scale is not None}, token metadata={expert_tokens_meta is not None}; bound for {bound} "
-                f"and unquantized, standard-format inputs"
+                f"{a1q_scale is not None}, intermediate scales={a2_scale is not None}, token metadata="
+                f"{expert_tokens_meta is not None}; bound for {bound} and unquantized, standard-format inputs"
             )
         output.copy_(torch.ops.eplb_graph.local_expert_pairs(
             hidden_states, topk_weights, topk_ids, expert_map, [w1, w2], self.key))  # [T, H]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from eplb_graph.custom_ops import LOCAL_EXPERTS
+from eplb_graph.custom_ops.local_experts import local_expert_pairs_fake
 
 H, I, E_GLOBAL = 16, 8, 6
 
@@ -93,7 +94,7 @@ def test_ids_out_of_range_are_nobodys_pairs(rank):
     assert kernel.rows_seen == [2]
 
 
-def test_bfloat16_rows_are_summed_in_float32_and_rounded_once(rank):
+def test_bfloat16_rows_from_the_kernel_are_summed_in_float32_and_the_sum_rounded(rank):
     key, _kernel, expert_map, w13, w2 = rank
     x, weights, ids = routed(8)
     ids[:, 0], ids[:, 1] = 3, 4  # both pairs of every token local
@@ -103,6 +104,16 @@ def test_bfloat16_rows_are_summed_in_float32_and_rounded_once(rank):
             for k in range(2)]
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, (rows[0].float() + rows[1].float()).bfloat16())
+
+
+def test_the_fake_is_contiguous_as_the_result_is(rank):
+    key, _kernel, expert_map, w13, w2 = rank
+    x, weights, ids = routed(6)
+    strided = x.t().contiguous().t()  # [T, H] with column-major strides
+    args = (strided, weights, ids, expert_map, [w13[3:], w2[3:]], key)
+    assert not strided.is_contiguous()
+    assert local_expert_pairs_fake(*args).is_contiguous()
+    assert torch.ops.eplb_graph.local_expert_pairs(*args).is_contiguous()
 
 
 def test_opcheck(rank):

@@ -274,6 +274,8 @@ def test_each_rank_computes_only_the_pairs_routed_to_its_slots(runs, layout):
     """Both ranks see every (token, k) pair of a batch (TP: replicated tokens; DP: gathered ones);
     each computes only its own, and together they compute each pair exactly once."""
     workers = [w["after"] for w in workers_of(runs, layout)]
+    for worker in workers:  # every MoE layer of each rank is bound, so the loop below checks each
+        assert set(worker["local_pairs_computed"]) == set(worker["layers"]) != set(), worker["layers"]
     for key in workers[0]["local_pairs_computed"]:
         seen = {w["pairs_seen"][key] for w in workers}
         assert len(seen) == 1, key

@@ -48,10 +48,10 @@ def layer(experts) -> SimpleNamespace:
 
 def call(experts, expert_map, w13, w2, x, weights, ids, **overrides):
     output = torch.empty_like(x)
-    args = {**dict(activation="silu", global_num_experts=4, expert_map=expert_map, a1q_scale=None,
+    args = {**dict(activation="silu", global_num_experts=4, expert_map=expert_map, a1q_scale=None, a2_scale=None,
                    expert_tokens_meta=None, apply_router_weight_on_input=False), **overrides}
     experts.apply(output, x, w13, w2, weights, ids, args["activation"], args["global_num_experts"],
-                  args["expert_map"], args["a1q_scale"], None, None, None, args["expert_tokens_meta"],
+                  args["expert_map"], args["a1q_scale"], args["a2_scale"], None, None, args["expert_tokens_meta"],
                   args["apply_router_weight_on_input"])
     return output
 
@@ -93,6 +93,8 @@ def test_a_call_other_than_bound_is_refused_by_name(bound):
         call(experts, torch.tensor([0, 1], dtype=torch.int32), w13, w2, x, weights, ids, activation="gelu")
     with pytest.raises(LocalExpertsError, match="input scales=True"):
         call(experts, torch.tensor([0, 1], dtype=torch.int32), w13, w2, x, weights, ids, a1q_scale=torch.ones(1))
+    with pytest.raises(LocalExpertsError, match="intermediate scales=True"):  # never silently dropped
+        call(experts, torch.tensor([0, 1], dtype=torch.int32), w13, w2, x, weights, ids, a2_scale=torch.ones(1))
     assert experts.calls == []
 
 
@@ -104,6 +106,14 @@ def test_only_the_instance_is_bound_and_unbinding_restores_upstream(bound):
         LocalPairExperts(layer(experts), "test.layers.0.again")
     binding.unbind()
     assert "apply" not in vars(experts) and "test.layers.0.experts" not in LOCAL_EXPERTS
+
+
+def test_a_binding_refused_at_registration_leaves_the_experts_unbound(bound):
+    _experts, binding = bound
+    other = X86CPUUnquantizedExperts()
+    with pytest.raises(ValueError, match="already registered"):
+        LocalPairExperts(layer(other), binding.key)  # the key is the bound layer's
+    assert "apply" not in vars(other) and LOCAL_EXPERTS.resolve(binding.key)[0] is binding
 
 
 def test_experts_of_another_class_are_refused_by_name():
