@@ -64,6 +64,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_vllm_elastic.py --out $(BENCH)/bench_vllm_elastic.json
 	$(VENV)/bin/python benchmarks/bench_vllm_elastic.py --sizes 2 4 2 --out $(BENCH)/bench_vllm_elastic_2_4_2.json
 	$(VENV)/bin/python benchmarks/bench_kept_placement.py --out $(BENCH)/bench_kept_placement.json
+	$(VENV)/bin/python benchmarks/bench_local_pairs.py --out $(BENCH)/bench_local_pairs.json
 
 # vLLM's control plane for the lent GPU image (no vLLM there): benchmarks/gpu_carry.py
 gpu-carry: $(STAMP)

@@ -53,6 +53,7 @@ FILES = {
     "kept_placement": "bench_kept_placement.json",
     "vllm_elastic": "bench_vllm_elastic.json",
     "vllm_elastic_2_4_2": "bench_vllm_elastic_2_4_2.json",
+    "local_pairs": "bench_local_pairs.json",
     "gpu": "gpu_bench.json",
 }
 assert set(FILES) == set(RENDERERS) == set(TITLES), "each benchmark file has a renderer and a title"

@@ -181,6 +181,17 @@ def render_vllm_elastic(r: dict) -> str:
     return f"{resizes}\n\nkept / reset median pause: {kept}; reset A/A: {r['aa_ratio']}"
 
 
+def render_local_pairs(r: dict) -> str:
+    shape = r["shape"]
+    meta = (f"one rank of EP={shape['ep']}: hidden {shape['hidden']}, moe_intermediate {shape['moe_intermediate']}, "
+            f"{shape['experts']} experts, top-{shape['top_k']}; vLLM's {r['isa']} kernel in {r['dtype']}")
+    runs = table(["T", "local pairs", "op ms", "ideal ms", "op / ideal (per round)", f"<= {r['target']}"],
+                 [[x["tokens"], x["local_pairs"], round(x["op_s"] * 1e3, 3), round(x["ideal_s"] * 1e3, 3),
+                   f"{x['overhead_ratio']} ({', '.join(str(q) for q in x['per_round_ratios'])})",
+                   x["overhead_ratio"] <= r["target"]] for x in r["runs"]])
+    return f"{meta}\n\n{runs}"
+
+
 def render_chaos(r: dict) -> str:
     totals = table(["faults (by kind)", "seconds", "requests answered / unanswered", "answered twice", "mismatches",
                     "recompiles", "detection max s (bound)", "detection to serving max s (bound)", "failed"],
@@ -205,7 +216,8 @@ RENDERERS = {"run": render_run, "bench": render_bench, "data_plane": render_benc
              "elastic_fault": render_elastic, "elastic_fault_rank0": render_elastic,
              "elastic_control": render_elastic_control, "chaos_1": render_chaos, "chaos_2": render_chaos,
              "chaos_3": render_chaos, "vllm_eplb": render_vllm_eplb, "kept_placement": render_kept_placement,
-             "vllm_elastic": render_vllm_elastic, "vllm_elastic_2_4_2": render_vllm_elastic, "gpu": render_gpu}
+             "vllm_elastic": render_vllm_elastic, "vllm_elastic_2_4_2": render_vllm_elastic,
+             "local_pairs": render_local_pairs, "gpu": render_gpu}
 TITLES = {
     "run": "`make run` (`eplb-graph run`: 2 ranks, compiled, live EPLB, outputs checked every step)",
     "bench": "`eplb-graph bench` (capture vs eager, EPLB off / on_idle / on_rearranging)",
@@ -229,5 +241,6 @@ TITLES = {
     "kept_placement": "`bench_kept_placement.py` (vLLM TP=2 + EP: the first windows from a cold start and from a kept placement)",
     "vllm_elastic": "`bench_vllm_elastic.py` (vLLM's own elastic EP through the plugin: each resize under a stream)",
     "vllm_elastic_2_4_2": "`bench_vllm_elastic.py --sizes 2 4 2` (the same, to the largest group and back)",
+    "local_pairs": "`bench_local_pairs.py` (`local_expert_pairs` against the same kernel on the pre-compacted local rows)",
     "gpu": "`gpu_bench.py` on a lent GPU",
 }
