@@ -35,7 +35,9 @@ class SealedValues:
 
     def _drop(self, what: str, why: object, text: str) -> None:
         self.skipped[what] += 1
-        log.warning("store value dropped, %s (%s): %.80r", what, why, text)
+        count = self.skipped[what]
+        if count & (count - 1) == 0:  # the 1st, 2nd, 4th...: a value read every step cannot flood the log
+            log.warning("store value dropped, %s (%d so far; %s): %.80r", what, count, why, text)
 
     def _open(self, key: str, raw: bytes | None, what: str) -> str | None:
         """The text of a value read under ``key``, or None: absent, or without the run's seal (counted)."""

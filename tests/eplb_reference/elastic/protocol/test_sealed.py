@@ -1,6 +1,7 @@
 """``protocol/sealed.py``: every value of the run's store sealed with the run's secret, through the
 ``Board`` that spells the keys; what a client without the secret writes is never acted on."""
 
+import logging
 import threading
 from datetime import timedelta
 
@@ -76,3 +77,14 @@ def test_a_spec_not_sealed_with_the_readers_secret_is_refused_at_once(board):
     with pytest.raises(Unproven, match="ep/run/spec"):
         outsider(board).spec_text(timeout_s=10)
     assert board.clone().spec_text(timeout_s=1) == '{"name": "ep"}'
+
+
+def test_a_value_dropped_at_every_read_is_logged_ever_more_rarely(board, caplog):
+    """Rank 0 reads the stop key every step: an outsider's stop sitting there must not flood the log."""
+    outsider(board).stop()
+    board.store.wait([board.key("run", None, "stop")], timedelta(seconds=10))
+    with caplog.at_level(logging.WARNING, logger="eplb_graph.elastic"):
+        assert not any(board.stopped() for _ in range(100))
+    assert board.skipped == {"unproven stop": 100}
+    assert [record.getMessage().split(";")[0] for record in caplog.records] == [
+        f"store value dropped, unproven stop ({count} so far" for count in (1, 2, 4, 8, 16, 32, 64)]
