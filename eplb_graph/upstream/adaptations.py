@@ -11,8 +11,9 @@ declared, never discovered). ``patches.py`` installs them (nothing else in the t
 upstream attribute), ``eplb-graph doctor`` checks them against the installed stack, and the
 config gate refuses at engine start, by name, an EPLB request whose adaptations do not hold.
 
-Longer than one reading on purpose: the table is read whole, one entry a few lines, and splitting
-it would hide an adaptation from the one place that lists them all.
+Longer than one reading on purpose (about 400 lines): the table is read whole, one entry a few
+lines, and splitting it would hide an adaptation from the one place that lists them all (the doctor
+and the import-scan tests read this one list).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Installing, checking and taking back the adaptations declared in ``adaptations.py``.
 
 One concept, every kind of change (replace, wrap, hook, global, scoped, insert, config, read), kept
-together on purpose: the rules below hold across kinds, so they are read in one place.
+together on purpose: the rules below hold across kinds, so they are read in one place. That is
+why it runs past one reading: split by kind, each file would restate the ledger and the rules.
 
 The one place in the tree that sets an attribute of upstream's modules, classes, instances and
 configuration. What is installed is recorded on the target's owner itself (the module, class or

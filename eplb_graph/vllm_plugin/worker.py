@@ -32,33 +32,12 @@ from . import elastic_follow, kept_placement, router_hook
 from .compile_watch import CompileWatch
 from .dp_dispatch import bind_dp_dispatch
 from .expert_views import ExpertWeightView, complete_move_list
-from .layers import GRAPH_PASS, ROUTER_HOOK, VllmMoELayer
+from .layers import (GRAPH_PASS, ROUTER_HOOK, VllmMoELayer, compiled_roots, mapping_mechanism, relative_path,
+                     verify_mapping)
 from .active_line import log_active, vllm_logger
 from .local_experts import LocalPairExperts
 from .metrics import WorkerMetrics
 from .metrics_export import METRICS_DIR
-
-
-class EplbMappingError(RuntimeError):
-    """A layer is routed by no mechanism, or by two."""
-
-
-def compiled_roots(model: torch.nn.Module) -> list[str]:
-    """Module paths vLLM compiles (its ``support_torch_compile`` classes), deepest first."""
-    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
-
-    roots = [name for name, module in model.named_modules() if isinstance(module, TorchCompileWithNoGuardsWrapper)]
-    return sorted(roots, key=len, reverse=True)
-
-
-def relative_path(path: str, roots: list[str]) -> str | None:
-    """``model.layers.0.mlp.experts`` under root ``model`` -> ``layers.0.mlp.experts``."""
-    for root in roots:
-        if root == "":
-            return path
-        if path.startswith(root + "."):
-            return path[len(root) + 1 :]
-    return None
 
 
 def use_gloo_staged_communicator(eplb_state) -> None:
@@ -71,17 +50,6 @@ def use_gloo_staged_communicator(eplb_state) -> None:
 
     for model_state in eplb_state.model_states.values():  # the model's, and a drafter's
         patches.configure("worker.gloo_communicator", GlooStagedCommunicator(get_eplb_group().cpu_group), on=model_state)
-
-
-def mapping_mechanism(moe_runner: torch.nn.Module, compilation_config, traced_path: str | None) -> str:
-    """The pass maps a layer only where Inductor compiles a graph in which its top-k is traced."""
-    from vllm.config import CompilationMode
-
-    opaque_entries = (torch.ops.vllm.moe_forward, torch.ops.vllm.moe_forward_shared)
-    traced = getattr(moe_runner, "_forward_entry", None) not in opaque_entries
-    compiled = compilation_config.mode in (CompilationMode.DYNAMO_TRACE_ONCE, CompilationMode.VLLM_COMPILE)
-    inductor = compilation_config.backend in ("inductor", "")
-    return GRAPH_PASS if traced and compiled and inductor and traced_path is not None else ROUTER_HOOK
 
 
 class VllmEplbWorker:
@@ -282,20 +250,7 @@ class VllmEplbWorker:
 
     def verify_mapping(self, *, require_calls: bool) -> dict[str, str]:
         """Each layer is routed by exactly its mechanism; returns {layer: mechanism}."""
-        problems = []
-        for layer in self.layers:
-            hook_bound = router_hook.is_bound(layer.router)
-            if layer.mapped_by == GRAPH_PASS and hook_bound:
-                problems.append(f"{layer.key}: mapped by the graph pass but its router hook is bound too")
-            if layer.mapped_by == ROUTER_HOOK and (not hook_bound or layer.graph_mappings):
-                problems.append(f"{layer.key}: mapped by the router hook but bound={hook_bound}, "
-                                f"graph mappings={layer.graph_mappings}")
-            if require_calls and layer.mapped_by == GRAPH_PASS and layer.host_calls == 0:
-                problems.append(f"{layer.key}: mapped by the graph pass, but the compiled graph never ran the routing "
-                                f"op for it (a compile-cache entry built without eplb-graph?)")
-        if problems:
-            raise EplbMappingError("eplb-graph routing check failed:\n  " + "\n  ".join(problems))
-        return {layer.key: layer.mapped_by for layer in self.layers}
+        return verify_mapping(self.layers, require_calls=require_calls)
 
     def summary(self) -> dict:
         return {
