@@ -9,7 +9,6 @@ store's own integers and carry no seal: one hands out ids, the other is a report
 from __future__ import annotations
 
 import json
-import logging
 
 import torch.distributed as dist
 
@@ -21,7 +20,6 @@ from eplb_reference.elastic.protocol.values import (
 from eplb_reference.elastic.protocol.proof import RunSecret
 from eplb_reference.elastic.protocol.sealed import ProtocolTimeout, SealedValues
 
-log = logging.getLogger("eplb_graph.elastic")
 
 
 __all__ = ["STOP", "Board", "ProtocolTimeout"]
@@ -114,7 +112,7 @@ class Board(SealedValues):
             outcome = self._decoded(self._open(key, won, "outcome"), decode_outcome, "outcome")
             if outcome is not None:
                 return outcome
-            expected = won.decode(errors="replace")  # an unproven or malformed value took the key: ours replaces it
+            expected = won  # an unproven or malformed value took the key: ours replaces it (its bytes, as stored)
         raise ProtocolTimeout(f"the outcome of generation {index}: unproven values keep taking {key}")
 
     def outcome(self, index: int) -> Outcome | None:
@@ -166,8 +164,7 @@ class Board(SealedValues):
         try:
             return KeepAlive.decode(value)
         except (ValueError, TypeError, KeyError) as error:
-            self.skipped["keep-alive"] += 1
-            log.warning("a malformed keep-alive of member %d was ignored (%s)", member, error)
+            self._drop("keep-alive", f"member {member}: {error}", value)
             return None
 
     def fence(self, member: int, why: str) -> None:
@@ -240,8 +237,8 @@ class Board(SealedValues):
         text = self._get(self._run(field), field)
         try:
             return kind(text) if text is not None else default
-        except ValueError:
-            self.skipped[field] += 1
+        except ValueError as error:
+            self._drop(field, error, text)
             return default
 
     def step(self) -> int:

@@ -63,15 +63,20 @@ class SealedValues:
             self.store.delete_key(key)
         return self._open(key, raw, what)
 
+    def _wait_written(self, key: str, timeout_s: float, what: str, waited_s: float) -> bytes:
+        """What is under ``key`` once something is, within ``timeout_s``."""
+        try:
+            self.store.wait([key], timedelta(seconds=max(timeout_s, 1e-3)))
+        except dist.DistStoreError:
+            raise ProtocolTimeout(f"{what}: nothing written under {key} within {waited_s:g} s") from None
+        return self.store.get(key)
+
     def _wait(self, key: str, timeout_s: float, what: str) -> str:
         """The run's value under ``key`` once written; an unproven one there is read past until then."""
         deadline = time.monotonic() + timeout_s
         while True:
-            try:
-                self.store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
-            except dist.DistStoreError:
-                raise ProtocolTimeout(f"{what}: nothing written under {key} within {timeout_s:g} s") from None
-            text = self._open(key, self.store.get(key), what)
+            raw = self._wait_written(key, deadline - time.monotonic(), what, timeout_s)
+            text = self._open(key, raw, what)
             if text is not None:
                 return text
             if time.monotonic() >= deadline:
@@ -80,11 +85,8 @@ class SealedValues:
 
     def _wait_first(self, key: str, timeout_s: float, what: str) -> str:
         """The value under ``key`` once written; ``Unproven`` if it is not sealed with this secret."""
-        try:
-            self.store.wait([key], timedelta(seconds=max(timeout_s, 1e-3)))
-        except dist.DistStoreError:
-            raise ProtocolTimeout(f"{what}: nothing written under {key} within {timeout_s:g} s") from None
-        return self.secret.open(key, self.store.get(key).decode(errors="replace"))
+        raw = self._wait_written(key, timeout_s, what, timeout_s)
+        return self.secret.open(key, raw.decode(errors="replace"))
 
     def _push(self, key: str, text: str) -> None:
         self.store.queue_push(key, self.secret.seal(key, text))
