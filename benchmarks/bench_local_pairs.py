@@ -74,7 +74,7 @@ def local_weights(shape: argparse.Namespace, isa: str, dtype: torch.dtype, gen: 
     return [cpu_prepack_moe_weight(w13, isa), cpu_prepack_moe_weight(w2, isa)]
 
 
-def median_seconds(fn, calls: int) -> float:
+def seconds_per_call(fn, calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -98,11 +98,11 @@ def bench(tokens: int, shape: argparse.Namespace, kernel: FusedMoEPairs, weights
     ideal = lambda: kernel.run_pairs(rows, row_weights, row_ids, weights)  # noqa: E731
     expected = torch.zeros(tokens, shape.hidden).index_add_(0, token, ideal().float()).to(dtype)
     assert torch.equal(op(), expected), "the op must compute exactly the local rows' sum"
-    calls = max(1, int(0.05 / max(median_seconds(ideal, 3), 1e-6)))  # about 50 ms a sample
+    calls = max(1, int(0.05 / max(seconds_per_call(ideal, 3), 1e-6)))  # about 50 ms a sample
     op_s, ideal_s = [], []
     for _ in range(rounds):
-        op_s.append(median_seconds(op, calls))
-        ideal_s.append(median_seconds(ideal, calls))
+        op_s.append(seconds_per_call(op, calls))
+        ideal_s.append(seconds_per_call(ideal, calls))
     op_median, ideal_median = statistics.median(op_s), statistics.median(ideal_s)
     return {"tokens": tokens, "local_pairs": int(token.numel()), "op_s": op_median, "ideal_s": ideal_median,
             "overhead_ratio": round(op_median / ideal_median, 3),

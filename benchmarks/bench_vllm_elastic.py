@@ -45,13 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_vllm_eplb import add_skewed_checkpoint_arguments, skewed_checkpoint  # noqa: E402
 
+from eplb_graph.vllm_plugin.elastic_follow import KEEP_GRAPHS  # noqa: E402  (1 kept, 0 upstream's reset)
 from eplb_reference.bench.ray_head import PrivateRayHead  # noqa: E402
 from eplb_reference.models.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
 ARMS = ("reset", "kept")
 # No compile caches: each run compiles as a fresh server does (a cache hit would skip the recompiles measured)
 NO_CACHES = {"VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
-KEEP_GRAPHS = "EPLB_GRAPH_ELASTIC_KEEP_GRAPHS"  # elastic_follow.KEEP_GRAPHS: 1 kept, 0 upstream's reset
 
 
 def post(port: int, path: str, body: dict, timeout: float) -> tuple[int, str]:
@@ -172,7 +172,8 @@ def resize(port: int, stream: Stream, size: int, args: argparse.Namespace, layer
 def run_arm(arm: str, model: Path, args: argparse.Namespace, workdir: Path) -> list[dict]:
     port = int(args.port)
     log = workdir / f"{arm}-{time.monotonic_ns()}.log"
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--host", "127.0.0.1", "--port", str(port),  # vLLM's default host is every interface
             "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4",
             "--data-parallel-size", str(args.sizes[0]), "--data-parallel-backend", "ray",
             "--data-parallel-address", "127.0.0.1", "--enable-expert-parallel", "--enable-eplb",
