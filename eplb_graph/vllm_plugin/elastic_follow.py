@@ -102,8 +102,6 @@ def warm_alone(worker: VllmEplbWorker, warm: Callable[[], None]) -> None:
     after it (at the commit, or serving) is one the compile watch reports."""
     from vllm.v1.worker.dp_utils import skip_dp_coordination
 
-    if worker.dp_dispatch is None:
-        raise RuntimeError("eplb-graph: a new engine of vLLM's elastic EP without a DP dispatch to run alone")
     with skip_dp_coordination(), worker.dp_dispatch.slot.alone():
         warm()
     if worker.compile_watch is not None:

@@ -1,5 +1,6 @@
 """Rank bodies for the launcher's tests (module level, so spawned processes can import them)."""
 
+import os
 import time
 
 
@@ -82,4 +83,4 @@ def listening_after_groups(rank, world_size, init_method):
                    if c.status == psutil.CONN_LISTEN]
     finally:
         shutdown_expert_parallel()
-    return init_method.split(":", 1)[0], sockets
+    return init_method.split(":", 1)[0], sockets, os.environ.get("GLOO_SOCKET_IFNAME")

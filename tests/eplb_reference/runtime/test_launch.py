@@ -5,7 +5,7 @@ import time
 import pytest
 
 from eplb_reference.bench.capture_vs_eager import idle_vs_off_rank
-from eplb_reference.runtime.launch import RankFailure, run_ranks
+from eplb_reference.runtime.launch import RankFailure, loopback_interface, run_ranks
 from eplb_reference.runtime.config import RunConfig
 from eplb_reference.runtime.rank import run_rank_and_shut_down
 from tests.eplb_reference.runtime import launch_cases
@@ -75,6 +75,7 @@ def test_the_ranks_listen_on_loopback_only_and_meet_through_a_private_file():
     """``eplb-graph run``'s ranks: no TCP store (torch's listens on every interface), and vLLM's Gloo
     groups on loopback however the host name resolves."""
     results = run_ranks(launch_cases.listening_after_groups, 2, timeout_s=120, startup_timeout_s=STARTUP_S)
-    for scheme, sockets in results:
+    for scheme, sockets, gloo_interface in results:
         assert scheme == "file" and sockets, sockets  # Gloo's listener, at least
+        assert gloo_interface == loopback_interface()  # whatever the host name resolves to
         assert all(host in ("127.0.0.1", "::1") for host, _ in sockets), sockets
