@@ -12,11 +12,13 @@ round after round in one process:
   [P, 1] local ids and weights): what the local work costs with nothing around it.
 
 The kernel is vLLM's ``cpu_fused_moe`` on weights prepacked for the host's ISA (``amx`` where the
-CPU has AMX tiles, in bfloat16; else ``vec``, in float32 where the host has no bfloat16 kernel:
-the report's ``isa`` and ``dtype`` say which ran). The op's kernel here calls it directly, as
+CPU has AMX tiles; else ``vec``), in bfloat16 (float32 where the host's kernel takes no bfloat16:
+the report's ``isa``, ``dtype`` and ``cpu`` say which ran where). The op's kernel here calls it directly, as
 ``LocalPairExperts.run_pairs`` calls upstream's ``apply``, which calls it. Per T, the JSON has
-``op_s``, ``ideal_s`` (medians) and ``overhead_ratio`` (op / ideal); the target is <= 1.10 at
-every T.
+``op_s``, ``ideal_s`` (medians) and ``overhead_ratio``: the median of the rounds' op / ideal
+(each round times every arm back to back, so a ratio pairs samples taken together); the target
+is <= 1.10 at every T. A third arm, ``composite``, runs the op with the torch composite's compaction and
+combine in place of the C++ ones (``passes`` says which serve ``op``): what the C++ saves.
 
     python benchmarks/bench_local_pairs.py --out out/bench_local_pairs.json
 """
@@ -34,7 +36,7 @@ import torch
 
 import eplb_graph  # noqa: F401  (registers the op)
 from eplb_graph.custom_ops import LOCAL_EXPERTS
-from eplb_graph.custom_ops.local_experts import local_pairs
+from eplb_graph.custom_ops.local_experts import PairPasses, local_pairs
 
 EP = 2
 TARGET = 1.10
@@ -57,11 +59,26 @@ class FusedMoEPairs:
 
 
 def host_kernel() -> tuple[str, torch.dtype]:
-    """The ISA vLLM's CPU experts pick on this host, and the dtype its kernel runs in."""
+    """The ISA vLLM's CPU experts pick on this host, and the dtype its kernel runs in: bfloat16
+    wherever the kernel takes it (AMX always does; the portable ``vec`` kernel where this build
+    has bfloat16 vectors), else float32."""
     # AMX tiles need the kernel's permission first (what vLLM's CPU worker asks for at start)
     if platform.machine() in ("x86_64", "AMD64") and torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx():
         return "amx", torch.bfloat16
-    return "vec", torch.float32
+    return "vec", torch.bfloat16 if runs_in("vec", torch.bfloat16) else torch.float32
+
+
+def runs_in(isa: str, dtype: torch.dtype) -> bool:
+    """Whether vLLM's fused-MoE kernel for ``isa`` runs one tiny layer in ``dtype`` here."""
+    from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+
+    w13, w2 = (cpu_prepack_moe_weight(torch.zeros(shape, dtype=dtype), isa) for shape in ((1, 64, 32), (1, 32, 32)))
+    try:
+        cpu_fused_moe(torch.empty(1, 32, dtype=dtype), torch.zeros(1, 32, dtype=dtype), w13, w2, None, None,
+                      torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32), "silu", isa)
+    except RuntimeError:
+        return False
+    return True
 
 
 def local_weights(shape: argparse.Namespace, isa: str, dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]:
@@ -96,17 +113,43 @@ def bench(tokens: int, shape: argparse.Namespace, kernel: FusedMoEPairs, weights
 
     op = lambda: torch.ops.eplb_graph.local_expert_pairs(hidden, topk_weights, ids, expert_map, weights, LAYER)  # noqa: E731
     ideal = lambda: kernel.run_pairs(rows, row_weights, row_ids, weights)  # noqa: E731
+    arms = {"op": op, "composite": lambda: on_composite(op), "ideal": ideal}
     expected = torch.zeros(tokens, shape.hidden).index_add_(0, token, ideal().float()).to(dtype)
-    assert torch.equal(op(), expected), "the op must compute exactly the local rows' sum"
+    for name in ("op", "composite"):
+        assert torch.equal(arms[name](), expected), f"the {name} arm must compute exactly the local rows' sum"
     calls = max(1, int(0.05 / max(seconds_per_call(ideal, 3), 1e-6)))  # about 50 ms a sample
-    op_s, ideal_s = [], []
+    samples: dict[str, list[float]] = {name: [] for name in arms}
+    order = list(arms)
     for _ in range(rounds):
-        op_s.append(seconds_per_call(op, calls))
-        ideal_s.append(seconds_per_call(ideal, calls))
-    op_median, ideal_median = statistics.median(op_s), statistics.median(ideal_s)
-    return {"tokens": tokens, "local_pairs": int(token.numel()), "op_s": op_median, "ideal_s": ideal_median,
-            "overhead_ratio": round(op_median / ideal_median, 3),
-            "per_round_ratios": [round(o / i, 3) for o, i in zip(op_s, ideal_s)]}
+        for name in order:
+            samples[name].append(seconds_per_call(arms[name], calls))
+        order = order[1:] + order[:1]  # each arm leads in turn: a drift favours none
+    median = {name: statistics.median(values) for name, values in samples.items()}
+    ratios = {name: [o / i for o, i in zip(samples[name], samples["ideal"])] for name in ("op", "composite")}
+    return {"tokens": tokens, "local_pairs": int(token.numel()), "op_s": median["op"], "ideal_s": median["ideal"],
+            "overhead_ratio": round(statistics.median(ratios["op"]), 3),
+            "per_round_ratios": [round(ratio, 3) for ratio in ratios["op"]],
+            "composite_s": median["composite"],
+            "composite_overhead_ratio": round(statistics.median(ratios["composite"]), 3)}
+
+
+def on_composite(op):
+    """``op`` with the torch composite's compaction and combine, whatever serves the op here."""
+    served, LOCAL_EXPERTS.passes = LOCAL_EXPERTS.passes, PairPasses()
+    try:
+        return op()
+    finally:
+        LOCAL_EXPERTS.passes = served
+
+
+def cpu_name() -> str:
+    """The host CPU's model name, as /proc/cpuinfo gives it (the platform's processor elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                platform.processor())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = [bench(tokens, args, kernel, weights, dtype, args.rounds, gen) for tokens in args.tokens]
     finally:
         LOCAL_EXPERTS.unregister(LAYER)
-    report = {"runs": runs, "isa": isa, "dtype": str(dtype).removeprefix("torch."), "target": TARGET,
+    report = {"runs": runs, "isa": isa, "dtype": str(dtype).removeprefix("torch."), "cpu": cpu_name(),
+              "passes": LOCAL_EXPERTS.passes.kind, "target": TARGET,
               "target_met": all(run["overhead_ratio"] <= TARGET for run in runs),
               "shape": {"hidden": args.hidden, "moe_intermediate": args.intermediate, "experts": args.experts,
                         "top_k": args.top_k, "ep": EP}}

@@ -12,7 +12,7 @@
     torch.ops.eplb_graph.local_expert_pairs(hidden_states, topk_weights, topk_ids, expert_map,
                                             weights, layer: str) -> output
         (the named layer's experts over the pairs routed to this rank's slots only, CPU;
-         see local_experts.py)
+         see local_experts.py; its compaction and combine are C++ where the routing ops are)
 
 Kernels per dispatch key:
   CPU          C++ (csrc/routing.cpp, built once per machine by native_routing.py) where it can
@@ -87,6 +87,7 @@ def _register(lib: torch.library.Library) -> tuple[str, str, str]:
     if native is None:
         return "composite", native_why, cuda_kernel_name
     LAYER_TABLES.attach_native(native)
+    LOCAL_EXPERTS.passes.attach_native()
     return "native", "", cuda_kernel_name
 
 

@@ -59,6 +59,7 @@ class LocalExpertsRegistry:
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[weakref.ReferenceType, PairCounts]] = {}
+        self.passes = PairPasses()  # the compaction and combine every layer's call runs
 
     def register(self, key: str, kernel: PairKernel) -> None:
         existing = self._entries.get(key)
@@ -86,10 +87,6 @@ class LocalExpertsRegistry:
         return entry is not None and entry[0]() is not None
 
 
-# The op finds kernels from a string, so the index is process-wide, as the registrations are.
-LOCAL_EXPERTS = LocalExpertsRegistry()
-
-
 def check_pair_args(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                     expert_map: torch.Tensor) -> None:
     check_ids(topk_ids)
@@ -111,29 +108,56 @@ def local_pairs(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tenso
     return torch.where(valid, expert_map[ids.clamp(0, expert_map.numel() - 1)].long(), -1)
 
 
+def compact_pairs(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  expert_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The local pairs as top-1 rows, token-major: (rows [P, H], weights [P, 1], local slots [P, 1]
+    in ``topk_ids``' dtype, owning token [P] int64). The torch composite of the C++
+    ``local_pairs_compact`` (csrc/local_pairs.cpp)."""
+    local = local_pairs(topk_ids, expert_map)  # [T, K]
+    token, slot = (local >= 0).nonzero(as_tuple=True)  # [P], [P]
+    return (hidden_states.index_select(0, token), topk_weights[token, slot].unsqueeze(1),
+            local[token, slot].unsqueeze(1).to(topk_ids.dtype), token)
+
+
+def combine_rows(rows: torch.Tensor, row_tokens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[P, H] rows -> [T, H]: each token's rows summed in float32 and the sum rounded once to the
+    rows' dtype (zeros for a token without rows). The torch composite of ``local_pairs_combine``."""
+    total = rows.new_zeros((tokens, rows.shape[1]), dtype=torch.float32)  # [T, H]
+    return total.index_add_(0, row_tokens, rows.float()).to(rows.dtype)
+
+
+class PairPasses:
+    """The passes around a layer's kernel: the torch composite, or the C++ kernels where they are
+    built (``attach_native``), which do the same in one call each."""
+
+    def __init__(self) -> None:
+        self.compact, self.combine, self.kind = compact_pairs, combine_rows, "composite"
+
+    def attach_native(self) -> None:
+        native = torch.ops.eplb_graph_native
+        self.compact, self.combine, self.kind = native.local_pairs_compact, native.local_pairs_combine, "native"
+
+
+# The op finds kernels from a string, so the index is process-wide, as the registrations are.
+LOCAL_EXPERTS = LocalExpertsRegistry()
+
+
 def local_expert_pairs_kernel(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                               expert_map: torch.Tensor, weights: list[torch.Tensor], layer: str) -> torch.Tensor:
     check_pair_args(hidden_states, topk_weights, topk_ids, expert_map)
     kernel, counts = LOCAL_EXPERTS.resolve(layer)
-    local = local_pairs(topk_ids, expert_map)  # [T, K]
-    token, slot = (local >= 0).nonzero(as_tuple=True)  # [P], [P]: local pairs, token-major
+    passes = LOCAL_EXPERTS.passes
+    rows, row_weights, row_ids, row_tokens = passes.compact(hidden_states, topk_weights, topk_ids, expert_map)
     counts.calls += 1
     counts.seen += topk_ids.numel()
-    # each row comes back in the layer's dtype (the kernel rounds it there); a token's rows are summed
-    # in float32 and the sum rounded once more to the layer's dtype
-    total = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)  # [T, H]
-    if token.numel() > 0:
+    if row_tokens.numel() > 0:
         start = time.perf_counter()
-        rows = kernel.run_pairs(
-            hidden_states.index_select(0, token),  # [P, H]
-            topk_weights[token, slot].unsqueeze(1),  # [P, 1]
-            local[token, slot].unsqueeze(1).to(topk_ids.dtype),  # [P, 1]
-            weights,
-        )
+        # each row comes back in the layer's dtype, rounded there by the kernel; the combine sums a
+        # token's rows in float32 and rounds that sum once more to the layer's dtype
+        rows = kernel.run_pairs(rows, row_weights, row_ids, weights)  # [P, H]
         counts.seconds += time.perf_counter() - start
-        counts.pairs += token.numel()
-        total.index_add_(0, token, rows.float())
-    return total.to(hidden_states.dtype)
+        counts.pairs += row_tokens.numel()
+    return passes.combine(rows, row_tokens, hidden_states.shape[0])  # [T, H]
 
 
 def local_expert_pairs_fake(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -1,9 +1,11 @@
-"""Builds and loads the routing ops' C++ CPU kernels (csrc/routing.cpp).
+"""Builds and loads the ops' C++ CPU kernels: the routing ops (csrc/routing.cpp) and the
+passes around a layer's kernel in ``local_expert_pairs`` (csrc/local_pairs.cpp).
 
 Why C++: the ops run once per MoE layer per forward, and a Python kernel pays the
 dispatcher's trip into Python and the Python around its loop at every call; the C++
 kernels are reached from the dispatcher directly (benchmarks/bench_op_in_step.py measures
-the difference right after a compiled forward).
+the difference right after a compiled forward, benchmarks/bench_local_pairs.py the local
+pairs' passes against their kernel alone).
 
 Built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja) once per machine, into
 a directory named by a digest of the source, torch and Python, and afterwards loaded
@@ -25,16 +27,18 @@ from pathlib import Path
 import torch
 
 LIBRARY_NAME = "eplb_graph_native"
-SOURCE = Path(__file__).parent / "csrc" / "routing.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "routing.cpp"  # the routing ops' CPU kernels
+SOURCES = (SOURCE, Path(__file__).parent / "csrc" / "local_pairs.cpp")
 SWITCH = "EPLB_GRAPH_NATIVE_KERNEL"  # "0": use the torch composite
 CACHE_DIR = "EPLB_GRAPH_CACHE_DIR"  # default: $XDG_CACHE_HOME/eplb_graph or ~/.cache/eplb_graph
 
 
 def build_directory() -> Path:
-    """Where the library for this source, torch and Python lives (a new one when any changes)."""
+    """Where the library for these sources, torch and Python lives (a new one when any changes)."""
     root = os.environ.get(CACHE_DIR) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eplb_graph"
     digest = hashlib.sha256()
-    digest.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
     digest.update(f"{torch.__version__}|{sys.version}|{sys.platform}".encode())
     return Path(root) / f"{LIBRARY_NAME}-{digest.hexdigest()[:16]}"
 
@@ -70,17 +74,17 @@ def _build(directory: Path) -> None:
     from torch.utils import cpp_extension  # build machinery only when there is something to build
 
     directory.mkdir(parents=True, exist_ok=True)
-    print(f"eplb_graph: building the C++ routing kernels into {directory} (once per machine)", file=sys.stderr)
+    print(f"eplb_graph: building the C++ kernels into {directory} (once per machine)", file=sys.stderr)
     cpp_extension.load(
-        name=LIBRARY_NAME, sources=[str(SOURCE)], build_directory=str(directory), is_python_module=False,
-        extra_cflags=["-O3"], verbose=False,
+        name=LIBRARY_NAME, sources=[str(source) for source in SOURCES], build_directory=str(directory),
+        is_python_module=False, extra_cflags=["-O3"], verbose=False,
     )  # also loads it
 
 
 def load_native_kernel() -> tuple[NativeLayerIndex | None, str]:
     """Loads (building first if needed) the C++ kernels, which register themselves as the CPU
-    kernels of all four routing ops: (their index, ""), or (None, why) where they are switched off
-    or cannot be had."""
+    kernels of all four routing ops and define ``local_pairs_compact`` / ``local_pairs_combine``:
+    (their index, ""), or (None, why) where they are switched off or cannot be had."""
     if os.environ.get(SWITCH, "1") == "0":
         return None, f"{SWITCH}=0"
     directory = build_directory()
@@ -92,8 +96,8 @@ def load_native_kernel() -> tuple[NativeLayerIndex | None, str]:
             _build(directory)
     except Exception as error:  # no compiler, no ninja, a read-only cache: the composite serves
         last_line = (str(error).strip().splitlines() or [""])[-1]  # a build error's summary line
-        why = f"the C++ routing kernels could not be built or loaded ({type(error).__name__}: {last_line})"
-        warnings.warn(f"eplb_graph: {why}; the torch composite serves the routing ops on CPU. Set {SWITCH}=0 to "
+        why = f"the C++ kernels could not be built or loaded ({type(error).__name__}: {last_line})"
+        warnings.warn(f"eplb_graph: {why}; the torch composite serves the routing and local pairs ops on CPU. Set {SWITCH}=0 to "
                       f"choose it without trying.", RuntimeWarning, stacklevel=2)
         return None, why
     return NativeLayerIndex(), ""

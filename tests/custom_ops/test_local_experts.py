@@ -1,12 +1,17 @@
-"""``eplb_graph::local_expert_pairs``: a rank's experts over exactly the pairs routed to its slots."""
+"""``eplb_graph::local_expert_pairs``: a rank's experts over exactly the pairs routed to its slots,
+with the C++ compaction and combine (csrc/local_pairs.cpp) where they are built and the torch
+composite: each is held to the other bit for bit, and the op's tests run on both."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eplb_graph.custom_ops import LOCAL_EXPERTS
-from eplb_graph.custom_ops.local_experts import local_expert_pairs_fake
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eplb_graph.custom_ops import CPU_LAYER_KERNEL, LOCAL_EXPERTS
+from eplb_graph.custom_ops.local_experts import PairPasses, combine_rows, compact_pairs, local_expert_pairs_fake
 
 H, I, E_GLOBAL = 16, 8, 6
 
@@ -30,9 +35,15 @@ class LocalKernel:
         return silu_moe(hidden_states, w13, w2, topk_weights, local_ids.long())
 
 
-@pytest.fixture
-def rank():
-    """Rank 1 of 2 over 6 global slots: it holds slots 3, 4, 5 as its local 0, 1, 2."""
+native_only = pytest.mark.skipif(CPU_LAYER_KERNEL != "native", reason="the C++ kernels are not built here")
+
+
+@pytest.fixture(params=["served", "composite"])
+def rank(request, monkeypatch):
+    """Rank 1 of 2 over 6 global slots: it holds slots 3, 4, 5 as its local 0, 1, 2; the op's passes
+    those that serve here (C++ where built), then the torch composite."""
+    if request.param == "composite":
+        monkeypatch.setattr(LOCAL_EXPERTS, "passes", PairPasses())
     torch.manual_seed(0)
     w13, w2 = torch.randn(E_GLOBAL, 2 * I, H), torch.randn(E_GLOBAL, H, I)
     expert_map = torch.tensor([-1, -1, -1, 0, 1, 2], dtype=torch.int32)
@@ -171,3 +182,39 @@ def test_a_key_is_registered_once():
     finally:
         LOCAL_EXPERTS.unregister("test.once")
     assert "test.once" not in LOCAL_EXPERTS
+
+
+@native_only
+def test_the_cpp_passes_serve_where_the_cpp_kernels_are_built():
+    assert LOCAL_EXPERTS.passes.kind == "native"
+
+
+@native_only
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.integers(0, 40), top_k=st.integers(1, 6), width=st.sampled_from([1, 16, 48]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+       id_dtype=st.sampled_from([torch.int32, torch.int64]), map_dtype=st.sampled_from([torch.int32, torch.int64]),
+       seed=st.integers(0, 2**16))
+def test_the_cpp_passes_equal_the_composite_bit_for_bit(tokens, top_k, width, dtype, id_dtype, map_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    expert_map = torch.tensor([-1, 0, 1, -1, 2, 3, -1, -1, 4, 5], dtype=map_dtype)  # [num_physical]
+    ids = torch.randint(-1, 12, (tokens, top_k), generator=gen).to(id_dtype)  # [T, K], some out of range
+    x = torch.randn(tokens, width, generator=gen).to(dtype)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    native = LOCAL_EXPERTS.passes.compact(x, weights, ids, expert_map)
+    for got, want in zip(native, compact_pairs(x, weights, ids, expert_map)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    rows = torch.randn(native[0].shape, generator=gen).to(dtype)  # what a kernel hands back, [P, H]
+    combined = LOCAL_EXPERTS.passes.combine(rows, native[3], tokens)
+    assert combined.dtype == dtype and torch.equal(combined, combine_rows(rows, native[3], tokens))
+
+
+@native_only
+@pytest.mark.parametrize("row_tokens, message", [
+    ([1, 0], "non-decreasing token indices in \\[0, 3\\)"),
+    ([0, 3], "non-decreasing token indices in \\[0, 3\\)"),
+    ([-1, 0], "non-decreasing token indices"),
+])
+def test_the_cpp_combine_refuses_rows_it_cannot_place(row_tokens, message):
+    with pytest.raises(RuntimeError, match=message):
+        LOCAL_EXPERTS.passes.combine(torch.ones(2, 4), torch.tensor(row_tokens), 3)
