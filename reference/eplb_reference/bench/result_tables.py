@@ -183,12 +183,17 @@ def render_vllm_elastic(r: dict) -> str:
 
 def render_local_pairs(r: dict) -> str:
     shape = r["shape"]
+    host = f" on {r['cpu']}" if "cpu" in r else ""
+    passes = f"; compaction and combine: {r['passes']}" if "passes" in r else ""
     meta = (f"one rank of EP={shape['ep']}: hidden {shape['hidden']}, moe_intermediate {shape['moe_intermediate']}, "
-            f"{shape['experts']} experts, top-{shape['top_k']}; vLLM's {r['isa']} kernel in {r['dtype']}")
-    runs = table(["T", "local pairs", "op ms", "ideal ms", "op / ideal (per round)", f"<= {r['target']}"],
+            f"{shape['experts']} experts, top-{shape['top_k']}; vLLM's {r['isa']} kernel in {r['dtype']}{host}{passes}")
+    composite = "composite" in r.get("passes", "") or "composite_overhead_ratio" not in r["runs"][0]
+    runs = table(["T", "local pairs", "op ms", "ideal ms", "op / ideal (per round)", f"<= {r['target']}"]
+                 + ([] if composite else ["composite / ideal"]),
                  [[x["tokens"], x["local_pairs"], round(x["op_s"] * 1e3, 3), round(x["ideal_s"] * 1e3, 3),
                    f"{x['overhead_ratio']} ({', '.join(str(q) for q in x['per_round_ratios'])})",
-                   x["overhead_ratio"] <= r["target"]] for x in r["runs"]])
+                   x["overhead_ratio"] <= r["target"]] + ([] if composite else [x["composite_overhead_ratio"]])
+                  for x in r["runs"]])
     return f"{meta}\n\n{runs}"
 
 
