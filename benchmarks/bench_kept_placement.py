@@ -1,8 +1,8 @@
 """What a kept placement buys at a restart: balancedness over the first windows, cold start against
 a start restored from the placement file the previous run kept, inside vLLM.
 
-vLLM's engine at TP=2 + EP (one core per worker, compiled), on the skewed checkpoint of
-``bench_vllm_eplb.py`` (two hot experts that the initial placement puts, unreplicated, on rank 0).
+vLLM's engine at TP=2 + EP (one core per worker, compiled), on the worst-case skewed checkpoint of
+``skewed_router.py`` (two hot experts that the initial placement puts, unreplicated, on rank 0).
 Each round, two engines one after the other, each serving the same ``--requests`` prefill-heavy
 requests with EPLB rearranging every ``--interval`` steps:
 
@@ -30,13 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_vllm_eplb import (
-    BALANCEDNESS,
-    add_request_arguments,
-    add_skewed_checkpoint_arguments,
-    skewed_checkpoint,
-    write_report,
-)
+from bench_vllm_eplb import BALANCEDNESS, add_request_arguments, write_report
+from skewed_router import add_skewed_checkpoint_arguments, skewed_checkpoint
 
 MEASURE_START = "BENCH_MEASURE_START"
 

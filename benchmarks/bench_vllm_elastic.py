@@ -1,7 +1,7 @@
 """vLLM's elastic EP through the plugin, resized while serving: what each resize costs.
 
 The OpenAI server of docs/quickstart-hf.md's elastic section (a private Ray head on 127.0.0.1,
-DP=2, ``--elastic-ep-max-dp-size`` the largest size asked), on bench_vllm_eplb.py's skewed
+DP=2, ``--elastic-ep-max-dp-size`` the largest size asked), on skewed_router.py's worst-case
 checkpoint (its hot experts start unreplicated on rank 0), resized ``--sizes`` (2 -> 3 -> 2 by
 default) while one client streams completions back to back. For each resize:
 
@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vllm_eplb import add_skewed_checkpoint_arguments, skewed_checkpoint  # noqa: E402
+from skewed_router import add_skewed_checkpoint_arguments, skewed_checkpoint  # noqa: E402
 
 from eplb_graph.vllm_plugin.elastic_follow import KEEP_GRAPHS  # noqa: E402  (1 kept, 0 upstream's reset)
 from eplb_reference.bench.ray_head import PrivateRayHead  # noqa: E402

@@ -7,7 +7,6 @@ import pytest
 
 from tests.benchmarks.scripts import load_benchmark
 
-load_benchmark("bench_vllm_eplb")  # what it imports its checkpoint and upstream's line format from
 bench = load_benchmark("bench_kept_placement")
 
 LINE = ("(Worker_TP0_EP0 pid=1) INFO [eplb_state.py:634] EPLB step: 7 for model m: avg_tokens={}, max_tokens={}, "

@@ -1,28 +1,17 @@
-"""bench_vllm_eplb.py's pieces that need no engine: the skewed checkpoint, upstream's balancedness
-lines, the summary and its predicted gain, the argument checks (the engine arms run in `make bench`)."""
+"""bench_vllm_eplb.py's pieces that need no engine: upstream's balancedness lines, the summary and its
+predicted gain, the configurations, the argument checks (the engine arms run in `make bench`; the
+checkpoints are test_skewed_router.py's)."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
-import torch
 
 from tests.benchmarks.scripts import load_benchmark
 
 pytest.importorskip("transformers")
 bench = load_benchmark("bench_vllm_eplb")
-
-
-def test_the_skewed_checkpoint_routes_about_half_the_pairs_to_the_hot_experts(tmp_path):
-    from safetensors.torch import load_file
-
-    bench.write_skewed_checkpoint(tmp_path, hidden=256, intermediate=64, layers=1, experts=8, hot=[4, 5], bias=0.15)
-    tensors = load_file(next(tmp_path.glob("*.safetensors")))
-    x = tensors["model.embed_tokens.weight"]  # [V, H]: what layer 0's router sees, up to its norm
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
-    top2 = (x @ tensors["model.layers.0.mlp.gate.weight"].T).topk(2).indices  # [V, 2]
-    counts = torch.bincount(top2.flatten(), minlength=8)
-    hot_share = float(counts[[4, 5]].sum() / counts.sum())
-    assert hot_share > 0.4 and counts[[4, 5]].min() > counts[[0, 1, 2, 3, 6, 7]].max()
 
 
 def test_balancedness_is_read_from_upstreams_lines_in_the_timed_phase_only():
@@ -39,18 +28,47 @@ def arm(name: str, tokens_per_s: float, balancedness: float, share: float) -> di
             "logical_load": [10, 10, 0, 0, 30, 30, 10, 10]}
 
 
-def test_the_summary_predicts_the_gain_from_balancedness_and_the_expert_share():
+def worst(placement: str = "rank0") -> argparse.Namespace:
+    args = argparse.Namespace(layout="tp2", experts=8, redundant=4, hot=[4, 5], bias=0.15)
+    return bench.configured(args, "worst", placement, "bfloat16")
+
+
+def test_the_summary_predicts_the_gain_and_reads_the_rounds_ratios_not_a_ratio_of_medians():
     runs = [arm("static", 100.0, 0.6, 0.8), arm("rebalanced", 130.0, 0.95, 0.6),
-            arm("static", 102.0, 0.61, 0.7), arm("rebalanced", 128.0, 0.94, 0.6),
-            arm("static", 90.0, 0.62, 0.9), arm("rebalanced", 140.0, 0.96, 0.6)]
-    summary = bench.summarize(runs, [4, 5])  # medians over the rounds
+            arm("rebalanced", 128.0, 0.94, 0.6), arm("static", 102.0, 0.61, 0.7),
+            arm("static", 90.0, 0.62, 0.9), arm("rebalanced", 100.0, 0.96, 0.6)]
+    summary = bench.summarize(runs, worst())
     predicted = 1 / (1 - 0.8 + 0.8 * 0.61 / 0.95)  # the slower rank's expert time scaled by the balancedness
+    ratios = [130 / 100, 128 / 102, 100 / 90]  # each round's two arms, whichever ran first
     assert summary["predicted_gain"] == round(predicted, 3)
-    assert summary["rebalanced_over_static"] == round(130 / 100, 3)
+    assert summary["per_round_ratios"] == [round(r, 3) for r in ratios]
+    assert summary["rebalanced_over_static"] == round(128 / 102, 3)  # the median ratio; medians' ratio is 1.28
     assert summary["aa_ratio"] == round(102 / 100, 3) and summary["rebalanced_aa_ratio"] == round(128 / 130, 3)
-    assert summary["static_spread"] == round(102 / 90, 3)
-    assert summary["share_of_predicted_gain"] == round((130 / 100 - 1) / (predicted - 1), 3)
-    assert summary["hot_share_of_pairs"] == 0.6
+    share = (128 / 102 - 1) / (predicted - 1)
+    assert summary["share_of_predicted_gain"] == round(share, 3)
+    assert summary["target_met"] is (share >= 0.8 and (predicted < 1.25 or 128 / 102 >= 1.15))
+    assert (summary["config"], summary["placement"], summary["layout"], summary["dtype"]) == ("worst", "rank0", "tp2",
+                                                                                             "float32")
+    assert summary["hot_experts"] == [4, 5] and summary["hot_share_of_pairs"] == 0.6
+    assert summary["load_max_over_mean"] == 2.4 and summary["arms"] == runs
+
+
+def test_the_mirrored_worst_case_names_the_other_ranks_unreplicated_experts_hot():
+    runs = [arm("static", 100.0, 0.6, 0.8), arm("rebalanced", 120.0, 0.9, 0.6)] * 2
+    assert bench.summarize(runs, worst("rank1"))["hot_experts"] == [6, 7]
+
+
+def test_a_gain_below_80_percent_of_the_predicted_one_misses_the_target():
+    runs = [arm("static", 100.0, 0.6, 0.9), arm("rebalanced", 105.0, 0.95, 0.6)] * 2
+    summary = bench.summarize(runs, worst())
+    assert summary["predicted_gain"] > 1.25 and summary["target_met"] is False
+
+
+def test_the_natural_configuration_takes_its_shape_and_load_and_the_hosts_dtype():
+    chosen = bench.configured(worst().__class__(**vars(worst())), "natural", "rank1", "bfloat16")
+    assert (chosen.hidden, chosen.intermediate, chosen.experts, chosen.top_k) == (2048, 768, 32, 8)
+    assert chosen.requests == bench.NATURAL_LOAD["requests"] and chosen.dtype == "bfloat16"
+    assert chosen.placement == "rank1" and worst().dtype == "float32"
 
 
 def test_one_round_is_refused_it_has_no_aa_pair(tmp_path, capsys):
