@@ -204,11 +204,11 @@ class ChaosRun:
 
     def run(self) -> list[dict]:
         for number, action in enumerate(self.actions):
-            before = len(self.coordinator.faults)
+            before = self.coordinator.fault_count
             started = time.monotonic()
             self.play(action)
             expected = FAULTS_PER_ACTION.get(action, 1)
-            self._wait(lambda: len(self.coordinator.faults) >= before + expected, f"{action}'s faults detected",
+            self._wait(lambda: self.coordinator.fault_count >= before + expected, f"{action}'s faults detected",
                        self.detect_bound_s + 60)
             records, = self._wait(lambda: self._records_once_serving(number, action, before),
                                   f"{action}: serving again", 300)
@@ -224,7 +224,7 @@ class ChaosRun:
         with self.server.lock:
             if self.coordinator.pending() is not None:
                 return None
-            return [self._record(number, action, fault) for fault in self.coordinator.faults[before:]],
+            return [self._record(number, action, fault) for fault in self.coordinator.faults_since(before)],
 
     def _record(self, number: int, action: str, fault) -> dict:
         """One fault: injected (or a member lost that nobody touched), detected after, serving again

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import replace
 
 from eplb_reference.elastic.liveness import FailureDetector
 from eplb_reference.elastic.processes import MemberProcesses
-from eplb_reference.elastic.records import Events, Fault, ResizeRequest
+from eplb_reference.elastic.records import HISTORY, Events, Fault, ResizeRequest, trim_oldest
 from eplb_reference.elastic.protocol import STOP, Abandoned, Board, Generation, Release, RunSecret, Switched
 from eplb_reference.elastic.reshuffle import check_new_size
 from eplb_reference.elastic.spec import ElasticSpec
@@ -31,11 +32,12 @@ log = logging.getLogger("eplb_graph.elastic.coordinator")
 
 class Coordinator:
     def __init__(self, spec: ElasticSpec, *, spares: int = 0, recover_failures: bool = False,
-                 startup_s: float = 300.0, secret: RunSecret | None = None) -> None:
+                 startup_s: float = 300.0, secret: RunSecret | None = None, history: int = HISTORY) -> None:
         """``spec.store_port`` 0: the store takes a free port, and the spec the members get names it.
         ``recover_failures``: a member that reports an error is recovered from as a death (the
         server); otherwise it fails the run (``failures``). ``secret``: the run's (``proof.py``),
-        generated when not given; the members started here get it."""
+        generated when not given; the members started here get it. ``history``: how many resizes,
+        faults, lost and reported members are kept (older ones are counted only)."""
         self.store = listening_store(spec.store_host, spec.store_port, spec.timeout_s)
         self.spec = replace(spec, store_port=self.store.port)
         self.secret = secret or RunSecret.generate()
@@ -47,12 +49,14 @@ class Coordinator:
         self.num_local = spec.cfg.num_physical // spec.cfg.ranks
         self.members: tuple[int, ...] = ()
         self.current, self.next_index = 0, 1
-        self.requests: list[ResizeRequest] = []
+        self.history = history
+        self.requests: deque[ResizeRequest] = deque(maxlen=history)  # the last resizes and recoveries
         self.spares: list[int] = []
         self.roles: dict[int, str] = {}  # every member not yet reported nor lost: serving, joining, spare
         self.reports: dict[int, dict] = {}
         self.failures: dict[int, str] = {}  # what the run cannot go on without
-        self.faults: list[Fault] = []
+        self.faults: deque[Fault] = deque(maxlen=history)  # the last members lost
+        self.fault_count = 0  # every member lost since the start
         self.dead: dict[int, float] = {}  # member -> when it was lost (happened, else detected)
         self.happened: dict[int, float] = {}  # what a driver did itself: member -> when (kill, stop)
         self.announced: dict[int, tuple[int, ...]] = {}  # generations whose keys are kept: index -> members
@@ -201,9 +205,11 @@ class Coordinator:
             if "error" in report:
                 if not self.recover_failures and self.roles[member] != "spare":
                     self.failures[member] = report["error"]
+                    trim_oldest(self.failures, self.history)
                 lost.append(self._lose(member, "failed", report["error"].splitlines()[0], now))
                 continue
             self.reports[member] = report
+            trim_oldest(self.reports, self.history)
             self._forget(member)
         return lost
 
@@ -224,13 +230,20 @@ class Coordinator:
     def _lose(self, member: int, kind: str, why: str, now: float) -> Fault:
         fault = Fault(member, kind, why, self.roles[member], now, self.happened.get(member))
         self.faults.append(fault)
+        self.fault_count += 1
         self.dead[member] = fault.happened_s or now
+        trim_oldest(self.dead, self.history)
         log.warning("member %d lost (%s, %s): %s", member, kind, fault.role, why)
         self._forget(member)
         return fault
 
+    def faults_since(self, count: int) -> list[Fault]:
+        """The members lost after the first ``count`` (``fault_count`` then), of those still kept."""
+        return list(self.faults)[max(0, len(self.faults) - (self.fault_count - count)):]
+
     def _forget(self, member: int) -> None:
         self.roles.pop(member, None)
+        self.happened.pop(member, None)
         self.detector.forget(member)
         self.board.forget_member(member)
 

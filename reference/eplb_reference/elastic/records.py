@@ -1,12 +1,23 @@
 """What the coordinator records of each resize, recovery and fault, and what one look at the run found.
 
 The scripted run's report (``report.py``) and the chaos run read these (as dicts, once the run
-is over); the server acts on ``Events`` as the coordinator returns them.
+is over); the server acts on ``Events`` as the coordinator returns them. The coordinator keeps the
+last ``HISTORY`` of each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+# resizes, recoveries and faults a coordinator keeps, and members it remembers as lost or reported:
+# a server that runs for months keeps the recent ones (older ones are only counted)
+HISTORY = 1024
+
+
+def trim_oldest(records: dict, keep: int) -> None:
+    """Drops ``records``' oldest entries (in insertion order) past ``keep``."""
+    while len(records) > keep:
+        del records[next(iter(records))]
 
 
 @dataclass

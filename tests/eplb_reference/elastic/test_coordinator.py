@@ -41,9 +41,10 @@ class StandInProcesses:
         pass
 
 
-def coordinator(size: int, *, spares: int = 0, hang_s: float = 5.0) -> Coordinator:
+def coordinator(size: int, *, spares: int = 0, hang_s: float = 5.0, history: int = 1024) -> Coordinator:
     """A coordinator serving generation 0 of ``size`` stand-in members."""
-    run = Coordinator(ElasticSpec(RunConfig(ranks=2), 4, "127.0.0.1", 0, timeout_s=5, hang_s=hang_s), spares=spares)
+    run = Coordinator(ElasticSpec(RunConfig(ranks=2), 4, "127.0.0.1", 0, timeout_s=5, hang_s=hang_s), spares=spares,
+                      history=history)
     run.processes = StandInProcesses()
     run.start_first_generation(size)
     return run
@@ -114,7 +115,7 @@ def test_a_dead_spare_is_removed_from_the_pool_and_replaced():
     events = run.tick()
     assert [(f.member, f.role) for f in events.lost] == [(2, "spare")]
     assert run.spares == [3, 4] and (4, None) in run.processes.started
-    assert run.requests == []  # a spare's death is no recovery
+    assert not run.requests  # a spare's death is no recovery
 
 
 def test_a_spare_released_at_the_end_that_dies_before_it_leaves_is_no_fault_of_the_run():
@@ -123,7 +124,7 @@ def test_a_spare_released_at_the_end_that_dies_before_it_leaves_is_no_fault_of_t
     assert run.board.assignment(2) == "stop" and run.spares == []
     run.processes.exited_codes[2] = -9  # gone before it read its stop
     events = run.tick()
-    assert [(f.member, f.role) for f in events.lost] == [(2, "leaving")] and run.requests == [] and not run.failures
+    assert [(f.member, f.role) for f in events.lost] == [(2, "leaving")] and not run.requests and not run.failures
 
 
 def test_a_hung_member_is_fenced_and_recovered_from_as_a_death():
@@ -161,3 +162,13 @@ def test_a_resize_is_refused_while_another_is_pending_or_to_a_size_the_group_can
     with pytest.raises(ValueError, match="the group's maximum"):
         coordinator(2).request(5)
     assert isinstance(run.requests[0], ResizeRequest)
+
+
+def test_its_records_keep_the_last_faults_and_count_every_one():
+    run = coordinator(2, spares=1, history=3)
+    for _ in range(5):  # the spare dies, is replaced; five times
+        run.processes.exited_codes[run.spares[0]] = -9
+        run.tick()
+    assert run.fault_count == 5 and [f.member for f in run.faults] == [4, 5, 6]
+    assert [f.member for f in run.faults_since(3)] == [5, 6] and [f.member for f in run.faults_since(0)] == [4, 5, 6]
+    assert list(run.dead) == [4, 5, 6] and run.spares == [7] and run.requests.maxlen == 3  # resizes: the same bound

@@ -20,6 +20,9 @@ from eplb_reference.elastic.protocol.values import MalformedValue
 
 log = logging.getLogger("eplb_graph.elastic")
 UNPROVEN_POLL_S = 0.05  # a wait that read an unproven value reads again, until the run's own is written
+# entries one read takes from a queue: a flood is worked off a bounded step at a time (a store
+# queue cannot be emptied at once: torch's TCPStore deletes no queue)
+POP_MAX = 1024
 
 
 class ProtocolTimeout(RuntimeError):
@@ -92,10 +95,11 @@ class SealedValues:
         self.store.queue_push(key, self.secret.seal(key, text))
 
     def _pop_all(self, key: str, what: str) -> list[str]:
-        """Every sealed entry queued under ``key`` since the last pop: as many store calls as entries
-        (one other client popping the same queue, as a fenced member might, takes what it takes)."""
+        """The sealed entries queued under ``key`` since the last pop, ``POP_MAX`` at most (the rest
+        wait for the next): as many store calls as entries (one other client popping the same queue,
+        as a fenced member might, takes what it takes)."""
         entries = []
-        for _ in range(self.store.queue_len(key)):
+        for _ in range(min(self.store.queue_len(key), POP_MAX)):
             try:
                 entries.append(self._open(key, self.store.queue_pop(key, block=False), what))
             except dist.QueueEmptyError:

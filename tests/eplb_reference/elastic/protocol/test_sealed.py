@@ -9,6 +9,7 @@ import pytest
 
 from eplb_reference.elastic.protocol import (STOP, Abandoned, Board, Generation, KeepAlive, Phase, ProtocolTimeout,
                                              Release, RunSecret, Switched)
+from eplb_reference.elastic.protocol import sealed
 from eplb_reference.elastic.protocol.proof import Unproven
 from tests.eplb_reference.elastic.protocol.test_board import request, result
 
@@ -95,3 +96,16 @@ def test_a_value_dropped_at_every_read_is_logged_ever_more_rarely(board, caplog)
     assert board.skipped == {"unproven stop": 100}
     assert [record.getMessage().split(";")[0] for record in caplog.records] == [
         f"store value dropped, unproven stop ({count} so far" for count in (1, 2, 4, 8, 16, 32, 64)]
+
+
+def test_a_read_takes_a_bounded_number_of_queued_entries_and_the_next_read_the_rest(board, monkeypatch):
+    """An outsider's flood costs each read at most POP_MAX store calls and seal checks."""
+    monkeypatch.setattr(sealed, "POP_MAX", 3)
+    intruder = outsider(board)
+    for rid in range(4):
+        intruder.push_result(result(rid))
+    # a call that is answered comes after its client's earlier pushes: all four are queued
+    assert intruder.store.queue_len(board.key("run", None, "results")) == 4
+    board.push_result(result(40))
+    assert board.pop_results() == [] and board.skipped["unproven result"] == 3
+    assert [r["rid"] for r in board.pop_results()] == [40] and board.skipped["unproven result"] == 4
