@@ -12,6 +12,8 @@ An experts class not listed is refused by name when the worker binds the layer.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from eplb_graph.custom_ops import LOCAL_EXPERTS
@@ -21,8 +23,8 @@ from eplb_graph.upstream.adaptations import ADAPTATIONS
 
 # vLLM's CPU experts whose apply takes (token, k) rows with local ids and top-k weights, applies
 # the weights and sums over k itself (TopKWeightAndReduceNoOP), and keeps its own scratch space:
-# class name -> the adaptation that hooks its instances' apply (``local_experts.*``)
-PAIR_EXPERTS = {a.qualname.split(".")[0]: a.key for a in ADAPTATIONS if a.key.startswith("local_experts.")}
+# class name -> the adaptation (``local_experts.*``) that names its module and hooks its instances' apply
+PAIR_EXPERTS = {a.qualname.split(".")[0]: a for a in ADAPTATIONS if a.key.startswith("local_experts.")}
 
 
 class LocalExpertsError(RuntimeError):
@@ -30,8 +32,19 @@ class LocalExpertsError(RuntimeError):
 
 
 def pair_experts_class(experts: object) -> str | None:
-    """The listed class ``experts`` is (or derives from: the x86 / Arm / Power unquantized ones)."""
-    return next((cls.__name__ for cls in type(experts).__mro__ if cls.__name__ in PAIR_EXPERTS), None)
+    """The listed class ``experts`` is an instance of (the x86 / Arm / Power unquantized ones derive
+    from vLLM's portable one), matched by identity: a class of the same name elsewhere (vLLM 0.32
+    has a second, monolithic ``CPUExpertsInt4``) is none of them."""
+    for name, adaptation in PAIR_EXPERTS.items():
+        listed = getattr(importlib.import_module(adaptation.module), name, None)
+        if isinstance(listed, type) and isinstance(experts, listed):
+            return name
+    return None
+
+
+def experts_name(experts: object) -> str:
+    """The experts' class by module and name (two classes may share a name)."""
+    return f"{type(experts).__module__}.{type(experts).__qualname__}"
 
 
 class LocalPairExperts:
@@ -40,12 +53,13 @@ class LocalPairExperts:
     def __init__(self, routed_experts: torch.nn.Module, key: str) -> None:
         kernel = getattr(routed_experts.quant_method, "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
-        if experts is None or pair_experts_class(experts) is None:
+        listed = None if experts is None else pair_experts_class(experts)
+        if listed is None:
             raise LocalExpertsError(
-                f"layer {key}: expert parallel on CPU runs each rank's own pairs through {', '.join(PAIR_EXPERTS)}; "
-                f"this layer's experts are {type(experts).__name__}"
+                f"layer {key}: expert parallel on CPU runs each rank's own pairs through vLLM's "
+                f"{', '.join(PAIR_EXPERTS)}; this layer's experts are {experts_name(experts)}"
             )
-        self.adaptation = PAIR_EXPERTS[pair_experts_class(experts)]
+        self.adaptation = PAIR_EXPERTS[listed].key
         if patches.installed(self.adaptation, on=experts):
             raise LocalExpertsError(f"layer {key}: its experts' apply is already bound")
         self.key = key

@@ -43,8 +43,9 @@ def test_the_active_line_names_each_layer_and_mechanism():
 def test_the_active_line_names_the_expert_parallel_adaptations():
     from eplb_graph.vllm_plugin.active_line import log_active
 
-    base = type("CPUUnquantizedExperts", (), {})
-    experts = type("X86CPUUnquantizedExperts", (base,), {})()
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import X86CPUUnquantizedExperts
+
+    experts = X86CPUUnquantizedExperts.__new__(X86CPUUnquantizedExperts)  # upstream's class (matched by identity)
     eplb = SimpleNamespace(window_size=10, step_interval=30, num_redundant_experts=2, use_async=True)
     runner = SimpleNamespace(device="cpu", parallel_config=SimpleNamespace(eplb_config=eplb),
                              eplb_state=SimpleNamespace(model_states={"m": SimpleNamespace(communicator=object())}))

@@ -1,7 +1,8 @@
 """``LocalPairExperts``: one layer's CPU experts instance bound to run this rank's pairs only.
 
-The experts here stand in for vLLM's by name and by ``apply`` signature (the engine tests run
-vLLM's own, at TP=2 and DP=2: test_engine.py); their kernel crashes on a global id as vLLM's does."""
+The experts here derive from vLLM's own class (the binding matches the class by identity) and
+stand in for its contract and ``apply`` signature (the engine tests run vLLM's own, at TP=2 and
+DP=2: test_engine.py); their kernel crashes on a global id as vLLM's does."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
 from eplb_graph.custom_ops import LOCAL_EXPERTS
 from eplb_graph.vllm_plugin.local_experts import LocalExpertsError, LocalPairExperts
 from tests.custom_ops.test_local_experts import H, I, silu_moe
 
 
-class CPUUnquantizedExperts:
+class CPUUnquantizedExperts(cpu_moe.CPUUnquantizedExperts):
     """vLLM's CPU experts' contract: local ids, weights applied, summed over k into ``output``."""
 
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # none of upstream's state: every method used here is overridden
         self.calls = []
         self.workspaces = []  # (M, topk) each workspace was sized for
 
@@ -121,8 +124,20 @@ def test_experts_of_another_class_are_refused_by_name():
         def apply(self, *args):
             raise AssertionError
 
-    with pytest.raises(LocalExpertsError, match="this layer's experts are TritonExperts"):
+    with pytest.raises(LocalExpertsError, match=r"this layer's experts are \S+\.TritonExperts"):
         LocalPairExperts(layer(TritonExperts()), "test.layers.1.experts")
+
+
+def test_a_class_that_only_shares_a_listed_name_is_refused_naming_its_module():
+    """vLLM 0.32 has two CPUExpertsInt4 classes; the monolithic one cannot run top-1 rows."""
+    class CPUExpertsInt4:
+        def apply(self, *args):
+            raise AssertionError
+
+    experts = CPUExpertsInt4()
+    with pytest.raises(LocalExpertsError, match=rf"this layer's experts are {__name__}\.\S*CPUExpertsInt4$"):
+        LocalPairExperts(layer(experts), "test.layers.3.experts")
+    assert "apply" not in vars(experts) and "test.layers.3.experts" not in LOCAL_EXPERTS
 
 
 def test_rebinding_follows_the_layers_new_experts_instance_and_expert_count():
