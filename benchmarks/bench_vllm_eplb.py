@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     add_skewed_checkpoint_arguments(parser, intermediate=2048)
-    parser.add_argument("--zipf", type=float, default=0.5, help="the natural skew's Zipf exponent (router mass)")
+    parser.add_argument("--zipf", type=float, default=1.0, help="the natural skew's Zipf exponent (router mass)")
     parser.add_argument("--seed", type=int, default=0, help="the natural skew's order of popularity")
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--interval", type=int, default=16)

@@ -6,13 +6,14 @@ R..E-1 split evenly, rank 0's R..(E+R)/2-1 and rank 1's (E+R)/2..E-1; ``mirror``
 two halves, so a skew in placement "rank1" is the skew of "rank0" with its experts on the other
 rank (which also controls for one core being faster than the other).
 
-Two skews, each raising some router rows along a direction every token embedding shares:
+Two skews, each a bias per expert on the router logits, over a spread of one across tokens
+(``calibrate_router``: each router rebuilt on what actually reaches it):
 
 * **worst**: the ``--hot`` experts (rank 0's, unreplicated) take about half of the routed pairs:
   a constructed worst case, an upper bound of what rebalancing buys;
-* **natural**: the i-th most popular expert (a seeded order over all experts) has its mean logit
-  shifted by ``-s * ln(i)``, so its share of the router's softmax mass follows a Zipf law of
-  exponent ``s``; tokens differ enough that every expert gets some. The load a top-k router makes
+* **natural**: in each layer, the i-th most popular expert (a seeded order over all experts) has
+  its mean logit shifted by ``-s * ln(i)``, so its share of the router's softmax mass follows a
+  Zipf law of exponent ``s``. The load a top-k router makes
   of it is flatter at the top (a token picks an expert once): ``zipf_exponent`` fits the exponent
   of the load the engine actually recorded, and the benchmarks report it.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 # A Qwen3-30B-A3B MoE layer (hidden 2048, moe_intermediate 768, top-8) over 32 experts: the
 # natural configuration's shape, small enough for two CPU workers
 NATURAL = {"hidden": 2048, "intermediate": 768, "experts": 32, "redundant": 8, "top_k": 8}
+CALIBRATION = (8, 240)  # prompts x tokens each router is calibrated on (the benchmarks' prompt length)
 
 
 def mirror(expert: int, experts: int, redundant: int) -> int:
@@ -61,39 +63,63 @@ def natural_logit_shift(args: argparse.Namespace, layer: int) -> list[float]:
     return shift
 
 
+def router_inputs(model, prompts) -> list:
+    """What reaches each MoE layer's router over ``prompts`` [N, S] (a transformers forward): [L] of [N*S, H]."""
+    import torch
+
+    seen, hooks = {}, []
+    for index, block in enumerate(model.model.layers):
+        def keep(module, args, output, index=index):
+            seen[index] = args[0].detach().reshape(-1, args[0].shape[-1])
+        hooks.append(block.mlp.gate.register_forward_hook(keep))
+    try:
+        with torch.no_grad():
+            model(prompts)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [seen[index] for index in range(len(model.model.layers))]
+
+
+def calibrate_router(gate, inputs, bias) -> None:
+    """Rebuilds router rows ``gate`` [E, H] in place for ``inputs`` [N, H]: along the inputs' mean
+    direction u each row carries its bias over the inputs' mean reach c along u; across it, the
+    row's own direction, scaled so that the logits' spread over tokens is 1. So expert e's logit is
+    about ``bias[e] * (x . u) / c`` plus noise of unit spread: the bias reads in logits, and the
+    direction every token shares favours no expert."""
+    mean = inputs.mean(0)
+    u = mean / mean.norm()  # [H]
+    reach = float((inputs @ u).mean())
+    across = gate - (gate @ u)[:, None] * u  # [E, H]
+    spread = float((inputs @ across.T).std())
+    gate.copy_(across / spread + (bias / reach)[:, None] * u)
+
+
 def write_skewed_checkpoint(directory: Path, *, hidden: int, intermediate: int, layers: int, experts: int,
-                            router_bias: list[float] | list[list[float]], top_k: int = 2, logit_units: bool = False,
+                            router_bias: list[float] | list[list[float]], top_k: int = 2,
                             dtype: str = "float32") -> Path:
     """A Qwen3-MoE checkpoint whose routers favour experts by ``router_bias`` ([E], or [L, E] per
-    layer): every token embedding shares one direction, and each layer's router row of expert e
-    points along it by its bias alone (a row's own component along it, which would favour an expert
-    by chance, is removed). With ``logit_units`` the shared direction weighs less (tokens differ
-    more) and the bias is scaled so that it shifts layer 0's mean logit of e by exactly its value."""
+    layer), in logits over a spread of one across tokens (``calibrate_router``). Each layer's
+    router is calibrated on what reaches it over seeded prompts, layer after layer (a layer's
+    routing shapes the next one's input); without it, attention makes every token's router input
+    nearly the same, and the same few experts take every token whatever the bias."""
     import torch
-    from safetensors.torch import load_file, save_file
+    import transformers
 
     from eplb_reference.models.tiny_checkpoint import write_tiny_qwen3_moe_checkpoint
 
     write_tiny_qwen3_moe_checkpoint(directory, hidden_size=hidden, moe_intermediate_size=intermediate,
                                     intermediate_size=intermediate, num_hidden_layers=layers, num_experts=experts,
                                     num_experts_per_tok=top_k, num_attention_heads=2, num_key_value_heads=1,
-                                    vocab_size=512, torch_dtype=dtype)
-    path = next(directory.glob("*.safetensors"))
-    tensors = {name: tensor.float() for name, tensor in load_file(path).items()}
-    generator = torch.Generator().manual_seed(1)
-    shared = torch.randn(hidden, generator=generator)
-    shared = shared / shared.norm()  # [H]
-    embed = tensors["model.embed_tokens.weight"]  # [V, H], rows of norm about 1
-    embed += (1.0 if logit_units else 2.0) * shared
-    bias = torch.tensor(router_bias).expand(layers, experts)  # [L, E]
-    if logit_units:  # divide by how far a normalized token reaches along the shared direction
-        bias = bias / float((embed * torch.rsqrt(embed.pow(2).mean(-1, keepdim=True)) @ shared).mean())
+                                    vocab_size=512)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    prompts = torch.randint(3, 503, CALIBRATION, generator=torch.Generator().manual_seed(2))  # [N, S]
+    bias = torch.tensor(router_bias, dtype=torch.float32).expand(layers, experts)  # [L, E]
     for layer in range(layers):
-        gate = tensors[f"model.layers.{layer}.mlp.gate.weight"]  # [E, H]
-        gate -= (gate @ shared)[:, None] * shared  # no expert favoured by chance: only by its bias
-        gate += bias[layer, :, None] * shared
-    save_file({name: tensor.to(getattr(torch, dtype)).contiguous() for name, tensor in tensors.items()}, path,
-              metadata={"format": "pt"})
+        with torch.no_grad():
+            calibrate_router(model.model.layers[layer].mlp.gate.weight, router_inputs(model, prompts)[layer],
+                             bias[layer])
+    model.to(getattr(torch, dtype)).save_pretrained(directory, safe_serialization=True)
     return directory
 
 
@@ -106,7 +132,8 @@ def add_skewed_checkpoint_arguments(parser: argparse.ArgumentParser, *, intermed
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--redundant", type=int, default=4)
     parser.add_argument("--hot", type=int, nargs="+", default=[4, 5], help="hot logical experts (rank 0's, unreplicated)")
-    parser.add_argument("--bias", type=float, default=0.15, help="router bias towards the hot experts")
+    parser.add_argument("--bias", type=float, default=1.5,
+                        help="router logit bias towards the hot experts (over a spread of one across tokens)")
 
 
 def check_hot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -130,7 +157,7 @@ def natural_checkpoint(args: argparse.Namespace, directory: Path) -> Path:
     return write_skewed_checkpoint(directory, hidden=args.hidden, intermediate=args.intermediate, layers=args.layers,
                                    experts=args.experts, top_k=args.top_k,
                                    router_bias=[natural_logit_shift(args, layer) for layer in range(args.layers)],
-                                   logit_units=True, dtype=args.dtype)
+                                   dtype=args.dtype)
 
 
 def zipf_exponent(load: list[int]) -> float | None:
