@@ -180,8 +180,9 @@ def headline(record: dict) -> str:
         rows.append([f"vLLM {layout} + EP, {skew} skew, hot on {where}: tokens/s rebalanced / static (A/A); "
                      "balancedness static -> rebalanced; share of the gain the balancedness predicts",
                      " / ".join(f"{run['rebalanced_over_static']} ({run['aa_ratio']}); {run['balancedness_static']} -> "
-                                f"{run['balancedness_rebalanced']}; {run['share_of_predicted_gain']} of "
-                                f"{run['predicted_gain']}" for run in runs),
+                                f"{run['balancedness_rebalanced']}; " + (f"{run['share_of_predicted_gain']} of "
+                                f"{run['predicted_gain']}" if run["predicted_gain"] >= 1.05 else
+                                f"none predicted ({run['predicted_gain']})") for run in runs),
                      ">= 1.15 where predicted >= 1.25; -; >= 0.8", "`bench_vllm_eplb.py`"])
     vllm_elastic = record.get("vllm_elastic")
     if vllm_elastic:

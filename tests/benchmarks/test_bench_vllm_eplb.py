@@ -83,3 +83,11 @@ def test_hot_experts_outside_rank_0s_unreplicated_slots_are_refused(tmp_path, ca
     assert stopped.value.code == 2
     assert "--hot [1, 5]: hot experts must sit in rank 0's slots, unreplicated (4..5)" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_where_no_gain_is_predicted_a_loss_misses_the_target():
+    """Balanced already: rearranging can only cost (its moves), and the target says so."""
+    runs = [arm("static", 100.0, 0.92, 0.9), arm("rebalanced", 90.0, 0.91, 0.9)] * 2
+    summary = bench.summarize(runs, worst())
+    assert summary["predicted_gain"] < 1 and summary["share_of_predicted_gain"] is None
+    assert summary["rebalanced_over_static"] == 0.9 and summary["target_met"] is False

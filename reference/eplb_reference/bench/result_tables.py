@@ -140,7 +140,7 @@ def render_vllm_eplb(r: dict) -> str:
         return render_vllm_eplb_single(r)
     c, n = r["config"], r["natural"]
     meta = (f"worst: {c['experts']} experts + {c['redundant']} redundant, hidden {c['hidden']}, expert width "
-            f"{c['intermediate']}, float32, hot {c['hot']}; natural: {n['experts']} + {n['redundant']}, hidden "
+            f"{c['intermediate']}, float32, hot {c['hot']} (+{c['bias']} logits); natural: {n['experts']} + {n['redundant']}, hidden "
             f"{n['hidden']}, expert width {n['intermediate']}, top-{n['top_k']}, {n['dtype']}, Zipf {c['zipf']} "
             f"(router mass); {c['layers']} MoE layers, {c['rounds']} rounds of two arms per run")
     runs = table(["layout", "config", "placement", "rebalanced / static (per round)", "static A/A",
@@ -149,7 +149,8 @@ def render_vllm_eplb(r: dict) -> str:
                  [[x["layout"], x["config"], x["placement"],
                    f"{x['rebalanced_over_static']} ({', '.join(str(q) for q in x['per_round_ratios'])})", x["aa_ratio"],
                    f"{x['balancedness_static']} -> {x['balancedness_rebalanced']}", x["predicted_gain"],
-                   x["share_of_predicted_gain"], x["target_met"], f"{x['load_max_over_mean']} ({x['zipf_exponent']})",
+                   x["share_of_predicted_gain"] if x["predicted_gain"] >= 1.05 else "none predicted", x["target_met"],
+                   f"{x['load_max_over_mean']} ({x['zipf_exponent']})",
                    x["hot_share_of_pairs"]] for x in r["runs"]])
     return f"{meta}\n\n{runs}"
 
