@@ -135,11 +135,8 @@ def bench(tokens: int, shape: argparse.Namespace, kernel: FusedMoEPairs, weights
 
 def on_composite(op):
     """``op`` with the torch composite's compaction and combine, whatever serves the op here."""
-    served, LOCAL_EXPERTS.passes = LOCAL_EXPERTS.passes, PairPasses()
-    try:
+    with LOCAL_EXPERTS.serving_with(PairPasses()):
         return op()
-    finally:
-        LOCAL_EXPERTS.passes = served
 
 
 def cpu_name() -> str:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -85,6 +87,16 @@ class LocalExpertsRegistry:
     def __contains__(self, key: str) -> bool:
         entry = self._entries.get(key)
         return entry is not None and entry[0]() is not None
+
+    @contextmanager
+    def serving_with(self, passes: PairPasses) -> Iterator[None]:
+        """Every call of the op runs ``passes`` for the body of the ``with``, then those before
+        (a benchmark's arm with the torch composite where the C++ serves)."""
+        served, self.passes = self.passes, passes
+        try:
+            yield
+        finally:
+            self.passes = served
 
 
 def check_pair_args(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
