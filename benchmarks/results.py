@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from eplb_reference.bench.result_tables import RENDERERS, TITLES, table
+from eplb_reference.bench.result_tables import RENDERERS, TITLES, table, vllm_eplb_headline
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "benchmarks" / "results"
@@ -87,13 +87,6 @@ def added_by_rearranging(ratios: dict) -> dict | None:
     if not rearranging or not steady:
         return None
     return {phase: round(rearranging[phase]["mean"] - steady[phase]["mean"], 2) for phase in rearranging if phase != "steps"}
-
-
-def vllm_eplb_runs(report: dict | None) -> list[dict]:
-    """bench_vllm_eplb's runs: one per configuration and placement (a single one before those)."""
-    if not report:
-        return []
-    return report["runs"] if "arms" in report["runs"][0] else [report]
 
 
 def headline(record: dict) -> str:
@@ -171,19 +164,7 @@ def headline(record: dict) -> str:
                      f"{serving['requests']} requests",
                      f"{fixed['elastic_over_fixed']} ({fixed['fixed_a_over_a']}); {serving['last_over_first']}",
                      "- ; ~1 (O(1))", "`bench_elastic_control.py`"])
-    vllm_eplb = record.get("vllm_eplb")
-    by_skew: dict[tuple[str, str], list[dict]] = {}
-    for run in vllm_eplb_runs(vllm_eplb):  # a single run's "config" is its arguments: the worst case
-        by_skew.setdefault((run["layout"], run["config"] if "placement" in run else "worst"), []).append(run)
-    for (layout, skew), runs in by_skew.items():
-        where = " / ".join(run.get("placement", "rank0") for run in runs)
-        rows.append([f"vLLM {layout} + EP, {skew} skew, hot on {where}: tokens/s rebalanced / static (A/A); "
-                     "balancedness static -> rebalanced; share of the gain the balancedness predicts",
-                     " / ".join(f"{run['rebalanced_over_static']} ({run['aa_ratio']}); {run['balancedness_static']} -> "
-                                f"{run['balancedness_rebalanced']}; " + (f"{run['share_of_predicted_gain']} of "
-                                f"{run['predicted_gain']}" if run["predicted_gain"] >= 1.05 else
-                                f"none predicted ({run['predicted_gain']})") for run in runs),
-                     ">= 1.15 where predicted >= 1.25; -; >= 0.8", "`bench_vllm_eplb.py`"])
+    rows += vllm_eplb_headline(record.get("vllm_eplb"))
     vllm_elastic = record.get("vllm_elastic")
     if vllm_elastic:
         arms = "; ".join(

@@ -155,6 +155,23 @@ def render_vllm_eplb(r: dict) -> str:
     return f"{meta}\n\n{runs}"
 
 
+def vllm_eplb_headline(report: dict | None) -> list[list[str]]:
+    """The README's rows of bench_vllm_eplb: one per layout and skew, its placements side by side
+    (a report before the worst and natural runs is one worst-case run)."""
+    runs = [] if not report else report["runs"] if "arms" in report["runs"][0] else [report]
+    by_skew: dict[tuple[str, str], list[dict]] = {}
+    for run in runs:  # a single run's "config" is its arguments
+        by_skew.setdefault((run["layout"], run["config"] if "placement" in run else "worst"), []).append(run)
+    return [[f"vLLM {layout} + EP, {skew} skew, hot on {' / '.join(run.get('placement', 'rank0') for run in runs)}: "
+             "tokens/s rebalanced / static (A/A); balancedness static -> rebalanced; share of the gain the "
+             "balancedness predicts",
+             " / ".join(f"{run['rebalanced_over_static']} ({run['aa_ratio']}); {run['balancedness_static']} -> "
+                        f"{run['balancedness_rebalanced']}; " + (
+                            f"{run['share_of_predicted_gain']} of {run['predicted_gain']}" if run["predicted_gain"] >= 1.05
+                            else f"none predicted ({run['predicted_gain']})") for run in runs),
+             ">= 1.15 where predicted >= 1.25; -; >= 0.8", "`bench_vllm_eplb.py`"] for (layout, skew), runs in by_skew.items()]
+
+
 def render_vllm_eplb_single(r: dict) -> str:
     c = r["config"]
     meta = (f"vLLM {r['layout']} + EP, {c['experts']} experts + {c['redundant']} redundant, hidden {c['hidden']}, expert "

@@ -9,7 +9,8 @@ those that die. Members do the rest between two of their steps (``member_process
 
 Every event is logged under ``eplb_graph.elastic``, one line each with its generation and
 members. ``tick`` returns what a driver acts on: a generation that switched (and the members
-that left it), a resize given up, a member lost.
+that left it), a resize given up, a member lost. (It runs past 300 lines: members, resizes and
+recoveries read and write the same records, and are read together.)
 """
 
 from __future__ import annotations

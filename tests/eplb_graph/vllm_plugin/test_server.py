@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -164,8 +165,9 @@ def core_of(command: str, index: int) -> dict[str, str]:
 
 def serve_and_query(commands: dict[str, tuple[str, bool]], model_dir: Path, workdir: Path, curl: str,
                     env_extra: dict | None = None) -> dict:
-    """Each (server command, EPLB on) started side by side, queried as the quickstart does and with
-    three longer prompts, stopped; its answers and its log."""
+    """Each (server command, EPLB on) started side by side, queried as the quickstart does, with
+    three longer prompts one after the other and with a long and a short one at once, stopped; its
+    answers and its log."""
     ports = free_ports(len(commands))
     started = {name: start_server(command, model_dir, workdir / f"{name}.log", ports[index], eplb=eplb,
                                   env_extra={**(env_extra or {}), **core_of(command, index)})
@@ -178,9 +180,15 @@ def serve_and_query(commands: dict[str, tuple[str, bool]], model_dir: Path, work
             quick = subprocess.run(["bash", "-c", curl], env=server.env, capture_output=True, text=True, timeout=300)
             assert quick.returncode == 0, quick.stderr
             longer = [completion(server, model_dir, f"w{5 + i} w{17 * i % 500 + 3} w{40 + 3 * i} w7", 48) for i in range(3)]
+            # a long and a short request at once: under DP=2, once the short one is answered one rank has
+            # no request while the other decodes (it steps dummy batches through the DP dispatch)
+            with ThreadPoolExecutor(2) as pool:
+                unequal = list(pool.map(lambda asked: completion(server, model_dir, *asked),
+                                        [("w9 w21 w33 w7", 48), ("w11 w5 w2 w7", 2)]))
             with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=60) as response:
                 scraped = response.read().decode()
-            results[name] = {"quickstart": json.loads(quick.stdout), "longer": longer, "metrics": scraped}
+            results[name] = {"quickstart": json.loads(quick.stdout), "longer": longer, "unequal": unequal,
+                             "metrics": scraped}
         for name, server in started.items():  # each answer came from the server started for it, still up
             assert server.process.poll() is None, f"{name} server exited:\n{server.log.read_text()[-6000:]}"
     finally:
@@ -344,9 +352,13 @@ REARRANGED = re.compile(r"eplb-graph: rearrangement (\d+) committed on EP rank (
 
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
 def test_two_workers_serve_the_completions_of_one_process_without_eplb(servers, multi_process_servers, layout):
+    """Under DP=2 each request is one engine's: while one is answered alone, and after the short one
+    of the unequal pair, the other rank is idle mid-serving and its tokens still match."""
     run, off = multi_process_servers[layout], servers["off"]
     assert texts(run["quickstart"]) == texts(off["quickstart"])
     assert [texts(r) for r in run["longer"]] == [texts(r) for r in off["longer"]]
+    assert [texts(r) for r in run["unequal"]] == [texts(r) for r in off["unequal"]]
+    assert [r["usage"]["completion_tokens"] for r in run["unequal"]] == [48, 2]
 
 
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
