@@ -28,9 +28,12 @@ def arm(name: str, tokens_per_s: float, balancedness: float, share: float) -> di
             "logical_load": [10, 10, 0, 0, 30, 30, 10, 10]}
 
 
+def arguments() -> argparse.Namespace:
+    return argparse.Namespace(layout="tp2", experts=8, redundant=4, hot=[4, 5], bias=1.5)
+
+
 def worst(placement: str = "rank0") -> argparse.Namespace:
-    args = argparse.Namespace(layout="tp2", experts=8, redundant=4, hot=[4, 5], bias=0.15)
-    return bench.configured(args, "worst", placement, "bfloat16")
+    return bench.configured(arguments(), "worst", placement, "bfloat16")
 
 
 def test_the_summary_predicts_the_gain_and_reads_the_rounds_ratios_not_a_ratio_of_medians():
@@ -65,7 +68,7 @@ def test_a_gain_below_80_percent_of_the_predicted_one_misses_the_target():
 
 
 def test_the_natural_configuration_takes_its_shape_and_load_and_the_hosts_dtype():
-    chosen = bench.configured(worst().__class__(**vars(worst())), "natural", "rank1", "bfloat16")
+    chosen = bench.configured(arguments(), "natural", "rank1", "bfloat16")
     assert (chosen.hidden, chosen.intermediate, chosen.experts, chosen.top_k) == (2048, 768, 32, 8)
     assert chosen.requests == bench.NATURAL_LOAD["requests"] and chosen.dtype == "bfloat16"
     assert chosen.placement == "rank1" and worst().dtype == "float32"

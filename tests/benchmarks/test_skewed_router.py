@@ -64,7 +64,7 @@ def test_the_natural_checkpoint_loads_every_expert_zipf_like_in_every_layer_in_i
     hottest = []
     for layer, counts in enumerate(routed_counts(tmp_path, 8, 32)):
         shift = torch.tensor(router.natural_logit_shift(natural("rank0"), layer))
-        assert counts.min() >= 0 and int((counts > 0).sum()) >= 24  # tokens differ: most experts get some
+        assert int((counts > 0).sum()) >= 24  # tokens differ: most experts get some
         assert 2.0 < float(counts.max() * 32 / counts.sum()) <= 4.0  # skewed, under top-8's cap of 32 / 8
         assert int(counts.argmax()) in shift.topk(3).indices.tolist()  # the most popular by the law is among the hottest
         assert 0.3 < router.zipf_exponent(counts.tolist()) < 1.5
