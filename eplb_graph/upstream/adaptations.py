@@ -176,6 +176,9 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
     Adaptation("runner.ascend_v2_load_model", "vllm_ascend.worker.v2.model_runner", "NPUModelRunner.load_model",
                "wrap", "refuses Model Runner V2 with EPLB on, by name, after load",
                When((PLUGIN,), ("npu",), eplb_only=False, requires="vllm_ascend"), _fn("self")),
+    Adaptation("loader.create_model", "vllm.model_executor.model_loader.base_loader", "BaseModelLoader.create_model",
+               "wrap", "under expert parallel on CPU, experts the local-pairs op cannot bind are refused when the model "
+               "is built, before any weight loads", _any_cpu, _fn("self", "vllm_config")),
     Adaptation("quant.wna16_supports_eplb", WNA16, "CompressedTensorsWNA16MoEMethod.supports_eplb", "wrap",
                "int4 (WNA16) MoE layers on vLLM's CPU backend are served: their expert view is proven at bind",
                When((PLUGIN,), eplb_only=False, condition=f"{_EVERY_IMPORT}; the answer changes for its CPU backend only"),
