@@ -36,6 +36,9 @@ PREFIX = "eplb_graph:"
 BASE_LABELS = ("model_name", "engine", "ep_rank")  # vLLM's model_name and engine (DP rank), and the worker's EP rank
 REARRANGEMENT_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, float("inf"))
 PAUSE_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, float("inf"))
+# the local work counters change every step; alone they publish a snapshot (a file write) at most this often
+WORK_PUBLISH_S = 1.0
+WORK_COUNTERS = ("local_pairs_computed", "local_expert_seconds")
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,11 @@ METRICS = (
            "(EPLB_GRAPH_STALL_STEPS / _SECONDS)", "a stuck async worker or transfer"),
     Metric("async_worker_alive", "gauge", "1 while upstream's async EPLB worker thread lives, 0 once it died "
            "(the last committed placement keeps serving)", "EPLB silently off"),
+    Metric("local_pairs_computed", "counter", "(token, k) pairs this worker's expert kernels computed: under expert "
+           "parallel on CPU, its own slots' only (eplb_graph::local_expert_pairs; published at most once a "
+           "second when nothing else changed)", "the straggler: the rank with the most pairs"),
+    Metric("local_expert_seconds", "counter", "Seconds this worker's expert kernels took over those pairs (the same "
+           "cadence)", "the straggler: the rank whose experts take the longest"),
     Metric("graphs_compiled_while_serving", "counter", "MoE layer mappings our pass made in graphs compiled after "
            "warm-up (0 when graph mode holds)", "invariant 9: a shape or value frozen into a graph"),
 )
@@ -121,6 +129,7 @@ class WorkerMetrics:
         self._window_load: torch.Tensor | None = None  # [L, num_logical], of the rearrangement in flight (EP rank 0)
         self._window_balancedness: dict[str, float] = {}  # its window under the placement then in force
         self._publish_failed = False
+        self._published_at = time.monotonic()
         self.publish()
 
     @property
@@ -129,8 +138,9 @@ class WorkerMetrics:
 
     def after_step(self, *, step_seconds: float, in_flight: bool, layers_committed: int, finished: int, stalls: int,
                    bytes_moved: tuple[int, int], worker_alive: bool, graphs_compiled: int | None,
-                   model_state) -> None:
-        """After upstream's EPLB step (``step_seconds`` long) on the serving thread."""
+                   model_state, local_work: tuple[int, float] = (0, 0.0)) -> None:
+        """After upstream's EPLB step (``step_seconds`` long) on the serving thread; ``local_work``:
+        the pairs this worker's expert kernels computed so far and their seconds."""
         before = dict(self.counters)
         if layers_committed > self.counters["layers_committed"]:
             self.histograms["commit_pause_seconds"].observe(step_seconds)
@@ -149,8 +159,12 @@ class WorkerMetrics:
         self.counters.update(layers_committed=layers_committed, rearrangements_finished=finished, stalls=stalls,
                              expert_bytes_sent=bytes_moved[0], expert_bytes_received=bytes_moved[1],
                              graphs_compiled_while_serving=graphs_compiled or 0)
+        self.counters.update(zip(WORK_COUNTERS, local_work))
         alive = 1.0 if worker_alive else 0.0
-        if self.counters != before or self.gauges["async_worker_alive"][""] != alive:
+        changed = [name for name in self.counters if self.counters[name] != before[name]]
+        work_due = time.monotonic() - self._published_at >= WORK_PUBLISH_S
+        if (any(name not in WORK_COUNTERS for name in changed) or (changed and work_due)
+                or self.gauges["async_worker_alive"][""] != alive):
             self.gauges["async_worker_alive"][""] = alive
             self.publish()
 
@@ -176,6 +190,7 @@ class WorkerMetrics:
         """Writes the snapshot for the API server's collector, atomically (a reader never sees half)."""
         if self.publish_to is None:
             return
+        self._published_at = time.monotonic()
         try:  # a new temporary file (O_EXCL | O_NOFOLLOW), renamed over the snapshot: a link there is replaced
             replace_file(self.publish_to, json.dumps(self.snapshot()).encode(), sync=False)
         except OSError as error:  # a full disk, or the server removing its directory at exit: never fail a step

@@ -229,7 +229,12 @@ class VllmEplbWorker:
             finished=self.stats.rearrangements_finished, stalls=self.binding.rearrangement_stalls,
             bytes_moved=self.bytes_moved(), worker_alive=self.binding.worker_error is None,
             graphs_compiled=self.compile_watch and self.compile_watch.since_start(),
-            model_state=self.model_state)
+            model_state=self.model_state, local_work=self.local_work())
+
+    def local_work(self) -> tuple[int, float]:
+        """Pairs this rank's expert kernels computed so far, and their seconds (``local_experts.py``)."""
+        return (sum(experts.counts.pairs for experts in self.local_experts.values()),
+                sum(experts.counts.seconds for experts in self.local_experts.values()))
 
     @property
     def model_state(self):
@@ -270,7 +275,7 @@ class VllmEplbWorker:
             # (token, k) pairs this rank's experts computed, per layer (only its own: local_experts.py)
             "local_pairs_computed": {key: experts.counts.pairs for key, experts in self.local_experts.items()},
             "pairs_seen": {key: experts.counts.seen for key, experts in self.local_experts.items()},
-            "local_expert_seconds": sum(experts.counts.seconds for experts in self.local_experts.values()),
+            "local_expert_seconds": self.local_work()[1],
             # tokens per physical expert upstream holds in its window (what the policy sees)
             "load_window_total": sum(int(s.expert_load_window.sum()) for s in self.runner.eplb_state.model_states.values()),
             "ep_rank": self.ep_rank,

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from eplb_graph.vllm_plugin import metrics as metrics_module
 from eplb_graph.vllm_plugin.metrics import METRICS, WorkerMetrics, metrics_markdown
 
 LABELS = {"model_name": "m", "engine": "0", "ep_rank": "0"}
@@ -134,3 +135,23 @@ def test_balancedness_splits_a_placement_over_the_live_ep_size_after_a_resize():
     expected = layer_balancedness(rank_loads(torch.tensor(load), torch.tensor(at_3), 3))
     assert committed["0"] == pytest.approx(float(expected[0])) and committed["1"] == pytest.approx(float(expected[1]))
     assert set(metrics.gauges["balancedness_window"]) == {"0", "1", "all"}  # taken at EP 2, 10 slots
+
+
+def test_the_local_work_counters_alone_publish_at_most_once_a_second(tmp_path, monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    metrics = WorkerMetrics(LABELS, ep_size=2, publish_dir=str(tmp_path))
+    state = model_state([[1.0, 1.0]], [[0, 1]])
+    published = lambda: json.loads(next(tmp_path.iterdir()).read_text())["counters"]  # noqa: E731
+
+    metrics.after_step(step_seconds=0.01, in_flight=False, layers_committed=0, finished=0, stalls=0, bytes_moved=(0, 0),
+                       worker_alive=True, graphs_compiled=0, model_state=state, local_work=(40, 0.25))
+    assert metrics.counters["local_pairs_computed"] == 40 and published()["local_pairs_computed"] == 0
+    now[0] += metrics_module.WORK_PUBLISH_S
+    metrics.after_step(step_seconds=0.01, in_flight=False, layers_committed=0, finished=0, stalls=0, bytes_moved=(0, 0),
+                       worker_alive=True, graphs_compiled=0, model_state=state, local_work=(56, 0.5))
+    assert (published()["local_pairs_computed"], published()["local_expert_seconds"]) == (56, 0.5)
+    # any other change publishes at once, the work counters with it
+    metrics.after_step(step_seconds=0.01, in_flight=False, layers_committed=0, finished=0, stalls=1, bytes_moved=(0, 0),
+                       worker_alive=True, graphs_compiled=0, model_state=state, local_work=(60, 0.75))
+    assert (published()["stalls"], published()["local_pairs_computed"]) == (1, 60)
