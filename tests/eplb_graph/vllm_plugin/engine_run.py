@@ -50,6 +50,11 @@ def main() -> int:
     parser.add_argument("--interval", type=int, default=8)
     parser.add_argument("--redundant", type=int, default=4)
     parser.add_argument("--weights", choices=["float32", *CHECKPOINTS], default="float32")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="of an unquantized checkpoint's run (a quantized one runs bfloat16 activations)")
+    parser.add_argument("--logprobs", action="store_true",
+                        help="keep each token's log-probability and its runner-up's (vLLM's sampler then compiles "
+                             "its rank helper at the first request: a graph that is not the model's)")
     parser.add_argument("--hide-scales-from-upstream", action="store_true")
     parser.add_argument("--no-derived-moves", action="store_true")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (expert parallel over as many workers)")
@@ -90,7 +95,7 @@ def main() -> int:
     write = getattr(tiny_checkpoint, CHECKPOINTS.get(args.weights, "write_tiny_qwen3_moe_checkpoint"))
     model_dir = write(tempfile.mkdtemp(prefix="eplb-graph-qwen3moe-"))
     kwargs = dict(
-        model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16" if quantized else "float32",
+        model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16" if quantized else args.dtype,
         max_model_len=128, max_num_seqs=args.prompts, seed=0, enforce_eager=args.mode == "eager",
         tensor_parallel_size=args.tp,
     )
@@ -108,13 +113,16 @@ def main() -> int:
     prompts = [TokensPrompt(prompt_token_ids=[5 + i, 17 * i % 500 + 3, 40 + 3 * i, 7]) for i in range(args.prompts)]
     if args.dp:
         prompts = prompts[args.dp[0] :: args.dp[1]]
-    sampling = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True,
+                              logprobs=2 if args.logprobs else None)
     before = llm.collective_rpc(worker_state)  # every worker, in this process or its own (--tp)
     outputs = llm.generate(prompts, sampling, use_tqdm=False)
     after = llm.collective_rpc(worker_state, kwargs={"digests": args.eplb == "on"})
     first = after[0]
     result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        # per generated token: the log-probability of the (greedy) chosen token and of the runner-up
+        "logprobs": [chosen_and_runner_up(o.outputs[0]) for o in outputs] if args.logprobs else None,
         "quantized_kernels": first["quantized_kernels"] if quantized else None,
         "enable_eplb": first["enable_eplb"],
         # Dynamo graphs compiled during generation, and graphs our pass rewrote during it, over the workers
@@ -130,6 +138,15 @@ def main() -> int:
     }
     print("ENGINE_RUN_RESULT " + json.dumps(result), flush=True)
     return 0
+
+
+def chosen_and_runner_up(completion) -> list[list[float]]:
+    """[chosen, runner-up] log-probabilities of each generated token (``logprobs=2``: the top two)."""
+    steps = []
+    for token, top in zip(completion.token_ids, completion.logprobs):
+        others = [entry.logprob for other, entry in top.items() if other != token]
+        steps.append([top[token].logprob, max(others)])
+    return steps
 
 
 def worker_state(worker, digests: bool = True) -> dict:
