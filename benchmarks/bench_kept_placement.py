@@ -30,7 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_vllm_eplb import BALANCEDNESS, add_request_arguments, write_report
+from bench_vllm_eplb import add_request_arguments, write_report
+from eplb_arms import BALANCEDNESS
 from skewed_router import add_skewed_checkpoint_arguments, skewed_checkpoint
 
 MEASURE_START = "BENCH_MEASURE_START"

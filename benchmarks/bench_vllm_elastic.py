@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,51 +43,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from skewed_router import add_skewed_checkpoint_arguments, skewed_checkpoint  # noqa: E402
+from vllm_server import counted_since, post, sample, scrape, served  # noqa: E402
 
 from eplb_graph.vllm_plugin.elastic_follow import KEEP_GRAPHS  # noqa: E402  (1 kept, 0 upstream's reset)
 from eplb_reference.bench.ray_head import PrivateRayHead  # noqa: E402
 from eplb_reference.models.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
 ARMS = ("reset", "kept")
-# No compile caches: each run compiles as a fresh server does (a cache hit would skip the recompiles measured)
-NO_CACHES = {"VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
-
-
-def post(port: int, path: str, body: dict, timeout: float) -> tuple[int, str]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
-
-
-def scrape(port: int) -> dict[str, list]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as response:
-        return {f.name: f.samples for f in text_string_to_metric_families(response.read().decode())}
-
-
-def per_rank(families: dict, family: str) -> dict[str, float]:
-    """``ep_rank`` -> a counter's value."""
-    return {s.labels["ep_rank"]: s.value for s in families.get(family, []) if s.name.endswith("_total")}
-
-
-def counted_since(before: dict, after: dict, family: str) -> float:
-    """What a counter grew by over every rank there after (a rank the resize added counts from 0)."""
-    was, now = per_rank(before, family), per_rank(after, family)
-    return sum(value - was.get(rank, 0.0) for rank, value in now.items())
-
-
-def sample(families: dict, family: str, **labels: str) -> float | None:
-    """The family's sample (a counter's ``_total``) with ``labels``; None if it has none yet."""
-    for each in families.get(family, []):
-        if not each.name.endswith(("_created", "_bucket", "_count", "_sum")) \
-                and all(each.labels.get(k) == v for k, v in labels.items()):
-            return each.value
-    return None
 
 
 class Stream(threading.Thread):
@@ -122,19 +83,6 @@ class Stream(threading.Thread):
 
     def rate(self, start: float, end: float) -> float:
         return sum(start <= t < end for t in self.token_times) / (end - start)
-
-
-def wait_ready(process: subprocess.Popen, port: int, log: Path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)  # polling the health endpoint
-    raise SystemExit(f"server not ready in {timeout_s} s")
 
 
 def resize(port: int, stream: Stream, size: int, args: argparse.Namespace, layers: int) -> dict:
@@ -172,44 +120,34 @@ def resize(port: int, stream: Stream, size: int, args: argparse.Namespace, layer
 def run_arm(arm: str, model: Path, args: argparse.Namespace, workdir: Path) -> list[dict]:
     port = int(args.port)
     log = workdir / f"{arm}-{time.monotonic_ns()}.log"
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--host", "127.0.0.1", "--port", str(port),  # vLLM's default host is every interface
-            "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4",
-            "--data-parallel-size", str(args.sizes[0]), "--data-parallel-backend", "ray",
-            "--data-parallel-address", "127.0.0.1", "--enable-expert-parallel", "--enable-eplb",
-            "--enable-elastic-ep", "--elastic-ep-max-dp-size", str(max(args.sizes)),
-            "--eplb-config", json.dumps({"window_size": args.window, "step_interval": args.interval,
-                                         "num_redundant_experts": args.redundant})]
     most = max(args.sizes)
-    with PrivateRayHead(num_cpus=most + 1, resources={"eplb_graph_dp": most}) as head, log.open("w") as out:
-        env = {**os.environ, **head.client_env, **NO_CACHES, "VLLM_CPU_KVCACHE_SPACE": "1",
-               KEEP_GRAPHS: "1" if arm == "kept" else "0",
+    server_args = ["--model", str(model), "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4",
+                   "--data-parallel-size", str(args.sizes[0]), "--data-parallel-backend", "ray",
+                   "--data-parallel-address", "127.0.0.1", "--enable-expert-parallel", "--enable-eplb",
+                   "--enable-elastic-ep", "--elastic-ep-max-dp-size", str(most),
+                   "--eplb-config", json.dumps({"window_size": args.window, "step_interval": args.interval,
+                                                "num_redundant_experts": args.redundant})]
+    with PrivateRayHead(num_cpus=most + 1, resources={"eplb_graph_dp": most}) as head:
+        env = {**head.client_env, "VLLM_CPU_KVCACHE_SPACE": "1", KEEP_GRAPHS: "1" if arm == "kept" else "0",
                "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY": "TORCHINDUCTOR_",  # Ray copies vLLM's variables only
                "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(rank % os.cpu_count()) for rank in range(most))}
-        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        stream = Stream(port, str(model), args.max_tokens)
-        try:
-            wait_ready(process, port, log)
-            stream.start()
-            stream.stopping.wait(args.window_s + args.warm_s)
-            results, current = [], args.sizes[0]
-            for size in args.sizes[1:]:
-                result = resize(port, stream, size, args, args.layers)
-                results.append({**result, "arm": arm, "from": current})
-                current = size
-            if stream.errors:
-                raise SystemExit(f"requests failed: {stream.errors[:3]}")
-            return results
-        finally:
-            stream.stopping.set()
-            if stream.is_alive():
-                stream.join(timeout=60)  # its request in flight would hold the server's shutdown open
-            os.killpg(process.pid, 15)
+        with served(server_args, env, log, port):
+            stream = Stream(port, str(model), args.max_tokens)
             try:
-                process.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, 9)  # the group this run started
-                process.wait()
+                stream.start()
+                stream.stopping.wait(args.window_s + args.warm_s)
+                results, current = [], args.sizes[0]
+                for size in args.sizes[1:]:
+                    result = resize(port, stream, size, args, args.layers)
+                    results.append({**result, "arm": arm, "from": current})
+                    current = size
+                if stream.errors:
+                    raise SystemExit(f"requests failed: {stream.errors[:3]}")
+                return results
+            finally:
+                stream.stopping.set()
+                if stream.is_alive():
+                    stream.join(timeout=60)  # its request in flight would hold the server's shutdown open
 
 
 def pause_ratios(runs: list[list[dict]]) -> dict:

@@ -74,6 +74,14 @@ def test_the_natural_configuration_takes_its_shape_and_load_and_the_hosts_dtype(
     assert chosen.placement == "rank1" and worst().dtype == "float32"
 
 
+def test_a_dp2_run_has_no_logical_load_and_reports_none_of_its_figures():
+    runs = [{**arm("static", 100.0, 0.6, 0.8), "logical_load": None},
+            {**arm("rebalanced", 120.0, 0.9, 0.6), "logical_load": None}] * 2
+    summary = bench.summarize(runs, bench.configured(arguments(), "worst", "rank0", "float32", "dp2"))
+    assert summary["layout"] == "dp2" and summary["rebalanced_over_static"] == 1.2
+    assert (summary["hot_share_of_pairs"], summary["load_max_over_mean"], summary["zipf_exponent"]) == (None,) * 3
+
+
 def test_one_round_is_refused_it_has_no_aa_pair(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--out", str(tmp_path / "r.json"), "--rounds", "1"])

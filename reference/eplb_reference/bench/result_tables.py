@@ -149,10 +149,17 @@ def render_vllm_eplb(r: dict) -> str:
                  [[x["layout"], x["config"], x["placement"],
                    f"{x['rebalanced_over_static']} ({', '.join(str(q) for q in x['per_round_ratios'])})", x["aa_ratio"],
                    f"{x['balancedness_static']} -> {x['balancedness_rebalanced']}", x["predicted_gain"],
-                   x["share_of_predicted_gain"] if x["predicted_gain"] >= 1.05 else "none predicted", x["target_met"],
-                   f"{x['load_max_over_mean']} ({x['zipf_exponent']})",
-                   x["hot_share_of_pairs"]] for x in r["runs"]])
+                   predicted_share(x), x["target_met"],
+                   f"{x['load_max_over_mean']} ({x['zipf_exponent']})" if x["load_max_over_mean"] else "-",
+                   x["hot_share_of_pairs"] or "-"] for x in r["runs"]])
     return f"{meta}\n\n{runs}"
+
+
+def predicted_share(run: dict) -> str:
+    """The share of the predicted gain a run measured, or that none was predicted (the benchmark
+    leaves the share out where the predicted gain is within noise)."""
+    share = run["share_of_predicted_gain"]
+    return f"{share} of {run['predicted_gain']}" if share is not None else f"none predicted ({run['predicted_gain']})"
 
 
 def vllm_eplb_headline(report: dict | None) -> list[list[str]]:
@@ -166,9 +173,7 @@ def vllm_eplb_headline(report: dict | None) -> list[list[str]]:
              "tokens/s rebalanced / static (A/A); balancedness static -> rebalanced; share of the gain the "
              "balancedness predicts",
              " / ".join(f"{run['rebalanced_over_static']} ({run['aa_ratio']}); {run['balancedness_static']} -> "
-                        f"{run['balancedness_rebalanced']}; " + (
-                            f"{run['share_of_predicted_gain']} of {run['predicted_gain']}" if run["predicted_gain"] >= 1.05
-                            else f"none predicted ({run['predicted_gain']})") for run in runs),
+                        f"{run['balancedness_rebalanced']}; {predicted_share(run)}" for run in runs),
              ">= 1.15 where predicted >= 1.25; -; >= 0.8", "`bench_vllm_eplb.py`"] for (layout, skew), runs in by_skew.items()]
 
 

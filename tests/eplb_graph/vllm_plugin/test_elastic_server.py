@@ -23,13 +23,13 @@ import json
 import os
 import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from tests.benchmarks.scripts import load_benchmark
 from tests.docs.quickstart_blocks import quickstart_blocks
 from eplb_reference.bench.ray_head import PrivateRayHead
 from tests.eplb_graph.vllm_plugin.test_server import (
@@ -37,6 +37,7 @@ from tests.eplb_graph.vllm_plugin.test_server import (
 
 pytest.importorskip("vllm")
 prometheus = pytest.importorskip("prometheus_client.parser")
+post = load_benchmark("vllm_server").post  # the benchmarks' client: one implementation
 
 pytestmark = [pytest.mark.launches, pytest.mark.alone]  # a Ray head, three engines, a reference server
 
@@ -59,16 +60,6 @@ if os.environ.get("VLLM_ELASTIC_EP_SCALE_UP_LAUNCH") == "1" and os.path.exists({
     os._exit(17)
 """
 START_TIMEOUT_S = 120  # a new engine here starts (loads, compiles) in well under a minute
-
-
-def post(port: str, path: str, body: object, timeout: float) -> tuple[int, str]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
 
 
 def answer(port: str, model_dir: str, prompt: str) -> tuple[int, object]:
