@@ -81,11 +81,17 @@ def run_arm(args: argparse.Namespace) -> int:
     return 0
 
 
-def arm_balancedness(output: str) -> float | None:
-    """Sum of the steps' mean per-rank load over the sum of their max, from upstream's lines
-    between the markers (a large step weighs as its load does)."""
+def timed_loads(output: str) -> list[tuple[float, float]]:
+    """Each timed step's mean and max per-rank load, from upstream's lines between the markers
+    (steps with no token, DP's idle waves, left out)."""
     measured = output.split(MEASURE_START, 1)[-1].split(MEASURE_END, 1)[0]
-    loads = [(float(mean), float(most)) for mean, most in BALANCEDNESS.findall(measured)]
+    return [(float(mean), float(most)) for mean, most in BALANCEDNESS.findall(measured) if float(mean) > 0]
+
+
+def arm_balancedness(output: str) -> float | None:
+    """Sum of the steps' mean per-rank load over the sum of their max (a large step weighs as
+    its load does)."""
+    loads = timed_loads(output)
     if not loads:
         return None
     return round(sum(mean for mean, _ in loads) / sum(most for _, most in loads), 4)
@@ -106,6 +112,8 @@ def launch_arm(arm: str, model: Path, args: argparse.Namespace, port: int) -> di
         step_p50_ms=round(statistics.median(steps_ms), 2) if steps_ms else None,
         step_p99_ms=round(steps_ms[min(len(steps_ms) - 1, int(0.99 * len(steps_ms)))], 2) if steps_ms else None,
         steps=len(steps_ms) or None,
+        # the same tokens in more steps: smaller batches (under DP, requests spread unevenly over the engines)
+        loaded_steps=len(timed_loads(output)),
         balancedness=arm_balancedness(output),
         expert_share=round(max(r["expert_seconds"] for r in result["ranks"]) / result["elapsed_s"], 4),
         upstream_rearrangements_logged=output.count("Rearranging experts (async mode) ..."),

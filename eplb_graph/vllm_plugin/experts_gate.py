@@ -5,7 +5,9 @@ Under expert parallel on CPU each MoE layer's experts must be one of the classes
 layer is built (``experts_cls``, from its backend oracle) and instantiates it only after the
 weights load, when the worker binds the layer. ``BaseModelLoader.create_model`` is wrapped: with
 EPLB on, on CPU, each layer under expert parallel whose method names a class that is none of the
-listed ones is refused there, by layer and class, before the checkpoint is read. A method that
+listed ones (vLLM 0.32's ``CPUExpertsInt8``, ``CPUExpertsFp8W8A8``, the monolithic
+``CPUExpertsInt4`` of ``cpu_int4_moe``) is refused there, by layer and class, before the
+checkpoint is read. A method that
 names no class (``experts_cls`` None) is left to the bind, which checks the instance itself.
 """
 

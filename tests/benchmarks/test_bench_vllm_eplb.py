@@ -21,6 +21,8 @@ def test_balancedness_is_read_from_upstreams_lines_in_the_timed_phase_only():
                         line.format("6.00", 12), bench.MEASURE_END, line.format("1.00", 100)])
     assert bench.arm_balancedness(output) == round(36 / 52, 4)  # a step weighs as its load does
     assert bench.arm_balancedness("no such line") is None
+    idle = "\n".join([bench.MEASURE_START, line.format("0.00", 0), line.format("6.00", 12), bench.MEASURE_END])
+    assert bench.timed_loads(idle) == [(6.0, 12.0)]  # a DP wave's idle step is no load
 
 
 def arm(name: str, tokens_per_s: float, balancedness: float, share: float) -> dict:

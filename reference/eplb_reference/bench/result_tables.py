@@ -163,18 +163,23 @@ def predicted_share(run: dict) -> str:
 
 
 def vllm_eplb_headline(report: dict | None) -> list[list[str]]:
-    """The README's rows of bench_vllm_eplb: one per layout and skew, its placements side by side
+    """The README's rows of bench_vllm_eplb: one per skew, its layouts and placements side by side
     (a report before the worst and natural runs is one worst-case run)."""
     runs = [] if not report else report["runs"] if "arms" in report["runs"][0] else [report]
-    by_skew: dict[tuple[str, str], list[dict]] = {}
+    by_skew: dict[str, list[dict]] = {}
     for run in runs:  # a single run's "config" is its arguments
-        by_skew.setdefault((run["layout"], run["config"] if "placement" in run else "worst"), []).append(run)
-    return [[f"vLLM {layout} + EP, {skew} skew, hot on {' / '.join(run.get('placement', 'rank0') for run in runs)}: "
-             "tokens/s rebalanced / static (A/A); balancedness static -> rebalanced; share of the gain the "
-             "balancedness predicts",
+        by_skew.setdefault(run["config"] if "placement" in run else "worst", []).append(run)
+    return [[f"vLLM + EP over two workers, {skew} skew ({', '.join(label(run) for run in runs)}): tokens/s "
+             "rebalanced / static (A/A); balancedness static -> rebalanced; share of the gain the balancedness "
+             "predicts",
              " / ".join(f"{run['rebalanced_over_static']} ({run['aa_ratio']}); {run['balancedness_static']} -> "
                         f"{run['balancedness_rebalanced']}; {predicted_share(run)}" for run in runs),
-             ">= 1.15 where predicted >= 1.25; -; >= 0.8", "`bench_vllm_eplb.py`"] for (layout, skew), runs in by_skew.items()]
+             ">= 1.15 where predicted >= 1.25; -; >= 0.8", "`bench_vllm_eplb.py`"] for skew, runs in by_skew.items()]
+
+
+def label(run: dict) -> str:
+    """``tp2 rank0``: a run's layout and where its hot experts start."""
+    return f"{run['layout']} {run.get('placement', 'rank0')}"
 
 
 def render_vllm_eplb_single(r: dict) -> str:
@@ -284,7 +289,7 @@ TITLES = {
     "chaos_1": "`eplb-graph run --chaos 1` (resizes, kills, stops, hangs under traffic)",
     "chaos_2": "`eplb-graph run --chaos 2`",
     "chaos_3": "`eplb-graph run --chaos 3`",
-    "vllm_eplb": "`bench_vllm_eplb.py` (vLLM TP=2 + EP on a skewed router: rebalanced against static placement)",
+    "vllm_eplb": "`bench_vllm_eplb.py` (vLLM EP over TP=2 or DP=2 workers on a skewed router: rebalanced against static placement)",
     "kept_placement": "`bench_kept_placement.py` (vLLM TP=2 + EP: the first windows from a cold start and from a kept placement)",
     "vllm_elastic": "`bench_vllm_elastic.py` (vLLM's own elastic EP through the plugin: each resize under a stream)",
     "vllm_elastic_2_4_2": "`bench_vllm_elastic.py --sizes 2 4 2` (the same, to the largest group and back)",

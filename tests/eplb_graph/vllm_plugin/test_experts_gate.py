@@ -46,13 +46,16 @@ def test_bindable_classes_and_layers_without_expert_parallel_or_a_named_class_pa
 def test_an_unbindable_class_is_refused_by_layer_and_class_and_a_namesake_is_matched_by_identity():
     built = model(routed_experts("model.layers.0.mlp.experts", cpu_moe.CPUUnquantizedExperts),
                   routed_experts("model.layers.1.mlp.experts", cpu_moe.CPUExpertsInt8),
-                  routed_experts("model.layers.2.mlp.experts", cpu_int4_moe.CPUExpertsInt4))
+                  routed_experts("model.layers.2.mlp.experts", cpu_int4_moe.CPUExpertsInt4),
+                  routed_experts("model.layers.3.mlp.experts", cpu_moe.CPUExpertsFp8W8A8))
     with pytest.raises(LocalExpertsError) as refused:
         experts_gate.refuse_unbindable(built)
     message = str(refused.value)
-    assert "refused before loading any weight" in message and "2 MoE layer(s)" in message
+    assert "refused before loading any weight" in message and "3 MoE layer(s)" in message
     assert "model.layers.1.mlp.experts: vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUExpertsInt8" in message
     assert "model.layers.2.mlp.experts: vllm.model_executor.layers.fused_moe.experts.cpu_int4_moe.CPUExpertsInt4" \
+        in message
+    assert "model.layers.3.mlp.experts: vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUExpertsFp8W8A8" \
         in message
     assert "layers.0" not in message
 
