@@ -68,7 +68,8 @@ def test_applicable_filters_by_platform_component_and_eplb():
     assert "runner.cpu_load_model" not in on_cuda and "runner.gpu_load_model" in on_cuda
     eplb_off = {a.key for a in applicable("cpu", PLUGIN, eplb_on=False)}
     assert eplb_off == {"gate.create_engine_config", "runner.cpu_load_model", "runner.gpu_load_model",
-                        "quant.wna16_supports_eplb",  # what the plugin installs in every process that imports them
+                        "quant.wna16_supports_eplb", "loader.create_model",  # what the plugin installs in every
+                        # process that imports them
                         "imports.after_import", "imports.exec_module",  # and how it waits for those imports
                         # vLLM's elastic EP on CPU, whose upstream path there fails (it asserts CUDA)
                         *(a.key for a in ADAPTATIONS if a.key.startswith(("stateless_cpu.", "elastic_scaling.")))}
