@@ -39,7 +39,7 @@ RUNS = {
     "eager_on": ["--eplb", "on", "--mode", "eager", "--dtype", "bfloat16"],
     "tp2_compiled_on": ["--eplb", "on", "--mode", "compiled", "--tp", "2", "--placement-file", "{placement}"],
     "tp2_eager_on": ["--eplb", "on", "--mode", "eager", "--tp", "2", "--dtype", "bfloat16", "--logprobs"],
-    # the two ranks of one DP=2 engine start together (run_two_at_a_time); the port is filled in by ``runs``
+    # the two ranks of one DP=2 engine start together, their port chosen then (run_two_at_a_time)
     "dp2_rank0": ["--eplb", "on", "--mode", "compiled", "--dp", "0", "2", "{port}", "--dtype", "bfloat16", "--logprobs"],
     "dp2_rank1": ["--eplb", "on", "--mode", "compiled", "--dp", "1", "2", "{port}", "--dtype", "bfloat16", "--logprobs"],
 }
@@ -83,7 +83,7 @@ def run_two_at_a_time(runs: dict[str, list[str]], workdir: Path, refused: set[st
     is called with each name as it ends, before what waits on it starts); the ranks of one DP
     engine together, alone, last. Every engine is a process of its own, forked from one that
     imported vLLM once (engine_server.py)."""
-    after = after or {}
+    after, runs = after or {}, dict(runs)  # the DP ranks' port is filled in here
     results, futures = {}, {}
     server = EngineServer(engine_environment(), workdir)
 
@@ -102,6 +102,11 @@ def run_two_at_a_time(runs: dict[str, list[str]], workdir: Path, refused: set[st
                     futures[name] = pool.submit(run, name)
         for future in futures.values():
             future.result()  # the first failure, named
+        # the DP master port chosen as the ranks start: one chosen at the fixture's start may be
+        # taken by another process in the minutes before
+        from eplb_reference.runtime.launch import free_port
+
+        runs.update(filled({name: runs[name] for name in MULTI_PROCESS["dp2"] if name in runs}, port=str(free_port())))
         with ThreadPoolExecutor(max_workers=2) as pool:
             for future in [pool.submit(run, name) for name in MULTI_PROCESS["dp2"] if name in runs]:
                 future.result()
@@ -118,8 +123,6 @@ def filled(runs: dict[str, list[str]], **values: str) -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
-    from eplb_reference.runtime.launch import free_port
-
     workdir = tmp_path_factory.mktemp("engine")
     placement = workdir / "placement.json"
     kept = {}
@@ -128,7 +131,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         if name == "tp2_compiled_on":  # what it left at its end, before a restart rewrites it
             kept["kept_placement"] = json.loads(placement.read_text())
 
-    results = run_two_at_a_time(filled({**RUNS, **RESTARTS}, port=str(free_port()), placement=str(placement)),
+    results = run_two_at_a_time(filled({**RUNS, **RESTARTS}, placement=str(placement)),
                                 workdir, REFUSED, dict.fromkeys(RESTARTS, "tp2_compiled_on"), keep)
     return {**results, **kept, "placement_after_restart": json.loads(placement.read_text())}
 
