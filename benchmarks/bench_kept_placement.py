@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 from bench_vllm_eplb import add_request_arguments, write_report
-from eplb_arms import BALANCEDNESS
+from eplb_arms import BALANCEDNESS, prompt
 from skewed_router import add_skewed_checkpoint_arguments, skewed_checkpoint
 
 MEASURE_START = "BENCH_MEASURE_START"
@@ -50,8 +50,7 @@ def run_arm(args: argparse.Namespace) -> int:
               max_num_batched_tokens=args.batch_tokens, enable_expert_parallel=True, enable_eplb=True,
               eplb_config={"window_size": args.interval, "step_interval": args.interval,
                            "num_redundant_experts": args.redundant, "use_async": True, "log_balancedness": True})
-    prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 13 * j) % 500 + 3 for j in range(args.prompt_tokens)])
-               for i in range(args.requests)]
+    prompts = [TokensPrompt(prompt_token_ids=prompt(i, args.prompt_tokens)) for i in range(args.requests)]
     print(MEASURE_START, flush=True)
     llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
     return 0

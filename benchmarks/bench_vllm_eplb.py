@@ -28,8 +28,9 @@ of the placement, not the cost of moving to it, which ``bench_movement.py`` and
 tokens/s (prompt and generated tokens the engines processed) and, under TP=2, the step times.
 Balancedness is from upstream's own ``log_balancedness`` lines (each step's mean and max per-rank
 load), summed over the timed steps; each rank's expert seconds are what
-``eplb_graph::local_expert_pairs``' kernels took (``/metrics``' ``local_expert_seconds`` under DP). The gain the balancedness predicts for the
-static arm's expert share ``f`` of a step (the slower rank's expert seconds over wall time) is
+``eplb_graph::local_expert_pairs``' kernels took (``/metrics``' ``local_expert_seconds`` under
+DP). The gain the balancedness predicts for the static arm's expert share ``f`` of a step (the
+slower rank's expert seconds over wall time) is
 ``1 / (1 - f + f * balancedness_static / balancedness_rebalanced)``. ``rebalanced_over_static``
 is the median of the rounds' ratios (each round's two arms ran back to back); the A/A ratio (the
 second round's static arm over the first's) is the noise it reads against. Target, per run: at

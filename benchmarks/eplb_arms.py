@@ -22,13 +22,14 @@ from pathlib import Path
 
 from vllm_server import complete, per_rank, scrape, served
 
+# the plugin publishes its work counters alone at most this often: the server arm waits that long,
+# then steps every engine once
+from eplb_graph.vllm_plugin.metrics import WORK_PUBLISH_S
+
 NEVER = 10**9  # the static arm's step_interval: beyond any run
 SETTLE_BATCHES = 8  # warm batches the rebalanced arm may add for its rearrangement to commit
 MEASURE_START, MEASURE_END = "BENCH_MEASURE_START", "BENCH_MEASURE_END"
 BALANCEDNESS = re.compile(r"EPLB step: \d+ for model \S+: avg_tokens=([\d.]+), max_tokens=(\d+), balancedness=[\d.]+")
-# the plugin publishes its work counters at most once a second when nothing else changed
-# (metrics.WORK_PUBLISH_S): the server arm waits that long, then steps every engine once
-WORK_PUBLISH_S = 1.0
 
 
 def eplb_config(args: argparse.Namespace) -> dict:
@@ -54,8 +55,8 @@ def worker_counters(worker) -> dict:
     load = state.expert_load_window.sum(dim=0)  # [L, num_physical]
     placement = state.physical_to_logical_map  # [L, num_physical]
     logical = logical_load(load, placement, state.model.num_logical_experts)
-    return {"ep_rank": summary["ep_rank"], "expert_seconds": summary["local_expert_seconds"],
-            "pairs": sum(summary["local_pairs_computed"].values()),
+    pairs, seconds = eplb.local_work()
+    return {"ep_rank": summary["ep_rank"], "expert_seconds": seconds, "pairs": pairs,
             "rearrangements": summary["rearrangements_committed"],
             "in_flight": state.rebalanced,  # upstream's async rearrangement started and not yet committed
             "logical_load": logical}

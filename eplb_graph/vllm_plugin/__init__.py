@@ -4,7 +4,8 @@ The ``vllm.general_plugins`` entry point ``register`` runs in every vLLM process
 core, workers). EPLB off: nothing but the op registration and wrappers that defer to upstream
 (the runners' ``load_model``, the engine config, one quant method's ``supports_eplb``, the model
 loader's ``create_model``). EPLB on: the config gate checks the request, lifts the CPU refusal
-and installs the pass; after each model runner loads its model, ``VllmEplbWorker`` binds every MoE layer (``runner_hooks.py``);
+and installs the pass; after each model runner loads its model, ``VllmEplbWorker`` binds every
+MoE layer (``runner_hooks.py``);
 quant methods upstream refuses EPLB for but whose experts have a view are served
 (``quant_methods.py``); under expert parallel on CPU, experts the local-pairs op cannot bind are
 refused when the model is built (``experts_gate.py``)."""

@@ -7,8 +7,8 @@ weights load, when the worker binds the layer. ``BaseModelLoader.create_model`` 
 EPLB on, on CPU, each layer under expert parallel whose method names a class that is none of the
 listed ones (vLLM 0.32's ``CPUExpertsInt8``, ``CPUExpertsFp8W8A8``, the monolithic
 ``CPUExpertsInt4`` of ``cpu_int4_moe``) is refused there, by layer and class, before the
-checkpoint is read. A method that
-names no class (``experts_cls`` None) is left to the bind, which checks the instance itself.
+checkpoint is read. A method that names no class (``experts_cls`` None) is left to the bind,
+which checks the instance itself.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def unbindable_layers(model: nn.Module) -> list[str]:
     is none of ``PAIR_EXPERTS`` (matched by identity: a class of the same name elsewhere is none)."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-    listed = listed_classes()
+    listed = tuple(listed_classes().values())
     found = []
     for name, module in model.named_modules():
         if not isinstance(module, RoutedExperts) or not module.use_ep:
@@ -63,7 +63,6 @@ def _wrap_create_model(module: ModuleType) -> None:
     except patches.AdaptationError as error:  # an upstream refactor: the bind still refuses, after loading
         warnings.warn(f"{error}; unbindable experts are refused after the weights load", RuntimeWarning, stacklevel=2)
         return
-
     patches.install(ADAPTATION, checked(upstream), by=PLUGIN)
 
 

@@ -31,21 +31,18 @@ class LocalExpertsError(RuntimeError):
     """A layer's experts cannot run on this rank's pairs only."""
 
 
-def listed_classes() -> tuple[type, ...]:
-    """``PAIR_EXPERTS``' classes, as vLLM's module defines them (one it no longer has is left out)."""
-    found = (getattr(importlib.import_module(a.module), name, None) for name, a in PAIR_EXPERTS.items())
-    return tuple(cls for cls in found if isinstance(cls, type))
+def listed_classes() -> dict[str, type]:
+    """``PAIR_EXPERTS``' classes by name, as vLLM's module defines them (one it no longer has is
+    left out)."""
+    found = {name: getattr(importlib.import_module(a.module), name, None) for name, a in PAIR_EXPERTS.items()}
+    return {name: cls for name, cls in found.items() if isinstance(cls, type)}
 
 
 def pair_experts_class(experts: object) -> str | None:
     """The listed class ``experts`` is an instance of (the x86 / Arm / Power unquantized ones derive
     from vLLM's portable one), matched by identity: a class of the same name elsewhere (vLLM 0.32
     has a second, monolithic ``CPUExpertsInt4``) is none of them."""
-    for name, adaptation in PAIR_EXPERTS.items():
-        listed = getattr(importlib.import_module(adaptation.module), name, None)
-        if isinstance(listed, type) and isinstance(experts, listed):
-            return name
-    return None
+    return next((name for name, cls in listed_classes().items() if isinstance(experts, cls)), None)
 
 
 def experts_name(experts: object) -> str:
